@@ -1,0 +1,65 @@
+"""apply_comm_mode: named errors for modes that cannot run, force-sum on gloo, logging."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from conftest import free_port
+from torchtitan_tide.config import Tide
+from torchtitan_tide.train_specs import apply_comm_mode, CommModeError, unavailable_reason
+
+
+@pytest.fixture
+def gloo_world_of_one():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def sharded_model(mesh) -> nn.Module:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def test_fsdp2_sets_force_sum_on_gloo(gloo_world_of_one, caplog):
+    model = sharded_model(gloo_world_of_one)
+    with caplog.at_level("INFO"):
+        assert apply_comm_mode(model, Tide(comm="fsdp2"), None) == "fsdp2"
+    assert "comm mode 'fsdp2' on 3 FSDP modules (backend gloo" in caplog.text
+    for module in model.modules():
+        if hasattr(module, "_get_fsdp_state"):
+            group = module._get_fsdp_state()._fsdp_param_group
+            assert group is None or group.force_sum_reduction_for_comms
+
+
+def test_symm_mem_is_a_named_error_until_it_lands(gloo_world_of_one):
+    model = sharded_model(gloo_world_of_one)
+    with pytest.raises(CommModeError, match="'symm_mem' is not available.*issue 5"):
+        apply_comm_mode(model, Tide(comm="symm_mem", fallback="fsdp2"), None)
+
+
+def test_tide_needs_fsdp(gloo_world_of_one):
+    with pytest.raises(CommModeError, match="needs FSDP"):
+        apply_comm_mode(nn.Linear(4, 4), Tide(comm="tide"), None)
+
+
+def test_options_of_other_modes_are_reported_not_dropped(gloo_world_of_one, caplog):
+    model = sharded_model(gloo_world_of_one)
+    with caplog.at_level("WARNING"):
+        apply_comm_mode(model, Tide(comm="fsdp2", ag_pacing=4), None)
+    assert "['ag_pacing'] only apply to comm = 'tide'" in caplog.text
+
+
+def test_hardware_reasons():
+    assert "needs CUDA GPUs with the NCCL backend" in unavailable_reason("symm_mem", "gloo")
+    assert unavailable_reason("symm_mem", "nccl") is None
+    assert unavailable_reason("fsdp2", "gloo") is None
+    assert unavailable_reason("tide", "gloo") is None

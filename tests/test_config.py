@@ -1,0 +1,103 @@
+"""[tide] validation: every bad key or value fails with an error that names it."""
+
+import pytest
+
+from torchtitan_tide.config import (
+    check_config_file,
+    Tide,
+    TideConfigError,
+    validate_tide_table,
+)
+
+
+def test_defaults_are_stock_fsdp2():
+    tide = validate_tide_table(None)
+    assert tide.comm == "fsdp2" and tide.fallback == "none"
+    assert tide.comm_options() == {}
+
+
+@pytest.mark.parametrize(
+    "table, names",
+    [
+        ({"comm": "nccl"}, ["comm", "'nccl'", "fsdp2", "symm_mem", "tide"]),
+        ({"comm": "FSDP2"}, ["comm", "'FSDP2'"]),
+        ({"fallback": "stock"}, ["fallback", "'stock'", "none"]),
+        ({"ag_transport": "rdma"}, ["ag_transport", "'rdma'", "copy_engine", "nccl_p2p"]),
+        ({"local_world_size": -1}, ["local_world_size", ">= 0"]),
+        ({"local_world_size": "2"}, ["local_world_size", "integer"]),
+        ({"local_world_size": True}, ["local_world_size", "integer"]),
+        ({"ag_pacing": 1.5}, ["ag_pacing", "integer"]),
+        ({"metrics_jsonl": "yes"}, ["metrics_jsonl", "boolean"]),
+        ({"com": "tide"}, ["unknown key", "'com'", "comm"]),
+        ({"comm": "tide", "transport": "x"}, ["unknown key", "'transport'", "ag_transport"]),
+    ],
+)
+def test_bad_values_name_the_key(table, names):
+    with pytest.raises(TideConfigError) as info:
+        validate_tide_table(table)
+    message = str(info.value)
+    assert "[tide]" in message
+    for name in names:
+        assert name in message, (name, message)
+
+
+def test_tide_options_forwarded_only_for_tide():
+    tide = Tide(comm="tide", ag_transport="nccl_p2p", local_world_size=1, ag_pacing=4)
+    assert tide.comm_options() == {"transport": "nccl_p2p", "local_world_size": 1, "pacing": 4}
+    assert tide.options_ignored_by_mode() == []
+    stock = Tide(comm="fsdp2", ag_transport="nccl_p2p")
+    assert stock.comm_options() == {}
+    assert stock.options_ignored_by_mode() == ["ag_transport"]
+
+
+def test_config_file_checks(tmp_path):
+    good = tmp_path / "good.toml"
+    good.write_text('[job]\ncustom_config_module = "torchtitan_tide.config"\n[tide]\ncomm = "tide"\n')
+    assert check_config_file(str(good)).comm == "tide"
+
+    no_module = tmp_path / "no_module.toml"
+    no_module.write_text('[tide]\ncomm = "tide"\n')
+    with pytest.raises(TideConfigError, match="custom_config_module"):
+        check_config_file(str(no_module))
+
+    bad_value = tmp_path / "bad_value.toml"
+    bad_value.write_text('[job]\ncustom_config_module = "torchtitan_tide.config"\n[tide]\ncomm = 3\n')
+    with pytest.raises(TideConfigError, match="bad_value.toml.*comm = 3"):
+        check_config_file(str(bad_value))
+
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[tide\n")
+    with pytest.raises(TideConfigError, match="not valid TOML"):
+        check_config_file(str(broken))
+
+    with pytest.raises(FileNotFoundError, match="missing.toml"):
+        check_config_file(str(tmp_path / "missing.toml"))
+
+
+def test_torchtitan_config_manager_merges_tide_section(repo, capsys):
+    from torchtitan.config import ConfigManager
+
+    config = ConfigManager().parse_args(
+        ["--job.config_file", str(repo / "train_configs" / "debug_model.toml"), "--tide.comm", "tide",
+         "--tide.local_world_size", "1"]
+    )
+    assert config.tide.comm == "tide"
+    assert config.tide.local_world_size == 1
+    assert config.model.name == "llama3_tide"
+
+    # tyro reports errors raised while building the dataclass and exits.
+    with pytest.raises(SystemExit):
+        ConfigManager().parse_args(
+            ["--job.config_file", str(repo / "train_configs" / "debug_model.toml"),
+             "--tide.ag_transport", "carrier_pigeon"]
+        )
+    printed = capsys.readouterr()
+    text = " ".join((printed.out + printed.err).replace("│", " ").split())
+    assert "[tide] ag_transport = 'carrier_pigeon' is not valid" in text
+
+
+def test_every_shipped_config_validates(repo):
+    configs = sorted((repo / "train_configs").glob("*.toml"))
+    assert configs, "no configs shipped"
+    for path in configs:
+        check_config_file(str(path))

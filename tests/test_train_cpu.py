@@ -1,0 +1,36 @@
+"""End-to-end CPU training through ./run_train.sh: 2 gloo processes, comm = "fsdp2"."""
+
+import math
+import shutil
+
+import pytest
+
+from train_helpers import losses, read_metrics, train
+
+pytestmark = pytest.mark.slow
+
+
+def test_debug_model_trains_and_loss_falls(tmp_path):
+    records = train(tmp_path / "run", "--training.steps", "24", "--tide.comm", "fsdp2")
+    curve = losses(records)
+    assert sorted(curve) == list(range(1, 25))
+    assert all(math.isfinite(v) for v in curve.values())
+    first, last = [curve[s] for s in range(1, 5)], [curve[s] for s in range(21, 25)]
+    assert sum(last) / 4 < sum(first) / 4 - 1.0, curve
+    assert (tmp_path / "run" / "tb").is_dir(), "TensorBoard logs missing"
+
+
+def test_checkpoint_resume_gives_the_same_losses(tmp_path):
+    folder = tmp_path / "run"
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.no-last-save-model-only"]
+    train(folder, "--training.steps", "8", *ckpt)
+    straight = losses(read_metrics(folder))
+    assert (folder / "checkpoint" / "step-4").is_dir()
+
+    # Resume from step 4 in a fresh folder holding only that checkpoint.
+    resumed_folder = tmp_path / "resumed"
+    shutil.copytree(folder / "checkpoint" / "step-4", resumed_folder / "checkpoint" / "step-4")
+    resumed = losses(train(resumed_folder, "--training.steps", "8", *ckpt))
+    assert sorted(resumed) == [5, 6, 7, 8]
+    for step in (5, 6, 7, 8):
+        assert resumed[step] == straight[step], (step, resumed, straight)

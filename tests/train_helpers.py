@@ -1,0 +1,37 @@
+"""Run ./run_train.sh as a user would and read back its metrics.jsonl."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# Small enough for 2 CPU cores, big enough to learn: 2 ranks x 2 x 64 tokens a step.
+SMALL_RUN = ["--training.seq_len", "64", "--training.local_batch_size", "2",
+             "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1"]
+
+
+def train(dump_folder: Path, *overrides: str, config: str = "debug_model", nproc: int = 2,
+          timeout: int = 600) -> list[dict]:
+    """Train on CPU/gloo; return the metrics records of this dump folder (all runs)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_"))}
+    env.update(TIDE_DEVICE="cpu", NGPU=str(nproc), PYTHON=sys.executable, LOG_RANK="0",
+               OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [str(REPO / "run_train.sh"), "--config", config, "--job.dump_folder", str(dump_folder),
+         *SMALL_RUN, *overrides],
+        capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO,
+    )
+    if result.returncode != 0:
+        raise AssertionError(f"training failed ({result.returncode}):\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}")
+    return read_metrics(dump_folder)
+
+
+def read_metrics(dump_folder: Path) -> list[dict]:
+    path = dump_folder / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def losses(records: list[dict]) -> dict[int, float]:
+    return {r["step"]: r["loss_metrics/global_avg_loss"] for r in records}

@@ -1,0 +1,156 @@
+"""The ``[tide]`` TOML section: which FSDP communication path a run takes.
+
+TorchTitan merges this module's ``JobConfig`` into its own when a TOML file sets
+``[job] custom_config_module = "torchtitan_tide.config"``. Every option is a
+field of :class:`Tide`; values are checked in ``Tide.__post_init__`` and unknown
+keys by :func:`validate_tide_table`, so a bad TOML fails before any process
+group exists, with an error that names the key and the fix.
+"""
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+COMM_MODES = ("fsdp2", "symm_mem", "tide")
+FALLBACKS = ("none", "fsdp2")
+AG_TRANSPORTS = ("auto", "copy_engine", "nccl_p2p", "gloo")
+
+
+class TideConfigError(ValueError):
+    """A ``[tide]`` option has a bad name or value; the message says which and how to fix it."""
+
+
+@dataclass
+class Tide:
+    comm: str = "fsdp2"
+    """FSDP2 communication mode.
+    "fsdp2": stock FSDP2 (flat rank-major buffers, NCCL kernels, copy-in/copy-out).
+    "symm_mem": FSDP2 with its collective buffers in symmetric memory (GPU, NCCL only).
+    "tide": layout-aware zero-copy collectives (TIDE-AG; reduce-scatter stays FSDP2's
+    until TIDE-RS lands)."""
+
+    fallback: str = "none"
+    """What to do when `comm` cannot run on this hardware (e.g. "symm_mem" on CPU/gloo).
+    "none": fail with an error that says why. "fsdp2": run stock FSDP2 instead and log the
+    fallback on every rank."""
+
+    ag_transport: str = "auto"
+    """TIDE-AG transport. "auto": copy engine between GPUs of one node, NCCL point-to-point
+    across nodes, gloo point-to-point on CPU. "copy_engine" | "nccl_p2p" | "gloo" force one.
+    Only read when comm = "tide"."""
+
+    local_world_size: int = 0
+    """Ranks per node as TIDE sees them. 0: detect (LOCAL_WORLD_SIZE from torchrun). Set it
+    to test the cross-node path on one host, e.g. 1 to treat 2 GPUs as 2 nodes. Must divide
+    the data-parallel shard degree. Only read when comm = "tide"."""
+
+    ag_pacing: int = 0
+    """TIDE-AG cross-node pacing: the most point-to-point chunks in flight per
+    recursive-doubling step. 0: no limit. Only read when comm = "tide"."""
+
+    metrics_jsonl: bool = True
+    """Write every logged step's metrics (loss, grad norm, memory, timings) to
+    `<dump_folder>/metrics.jsonl` on the metrics rank, at full float precision, so runs in
+    different comm modes can be compared step by step."""
+
+    def __post_init__(self) -> None:
+        _check_choice("comm", self.comm, COMM_MODES)
+        _check_choice("fallback", self.fallback, FALLBACKS)
+        _check_choice("ag_transport", self.ag_transport, AG_TRANSPORTS)
+        _check_int("local_world_size", self.local_world_size, minimum=0)
+        _check_int("ag_pacing", self.ag_pacing, minimum=0)
+        if not isinstance(self.metrics_jsonl, bool):
+            raise TideConfigError(
+                f"[tide] metrics_jsonl = {self.metrics_jsonl!r} is not a boolean; "
+                "write metrics_jsonl = true or false"
+            )
+
+    def comm_options(self) -> dict[str, Any]:
+        """Options for ``torchtitan_tide.comm.apply``; empty unless comm = "tide"."""
+        if self.comm != "tide":
+            return {}
+        return {
+            "transport": self.ag_transport,
+            "local_world_size": self.local_world_size or None,
+            "pacing": self.ag_pacing,
+        }
+
+    def options_ignored_by_mode(self) -> list[str]:
+        """Names of TIDE-only options set away from their defaults while comm != "tide"."""
+        if self.comm == "tide":
+            return []
+        defaults = Tide()
+        return [
+            name
+            for name in ("ag_transport", "local_world_size", "ag_pacing")
+            if getattr(self, name) != getattr(defaults, name)
+        ]
+
+
+@dataclass
+class JobConfig:
+    """Merged into TorchTitan's JobConfig through ``[job] custom_config_module``."""
+
+    tide: Tide = field(default_factory=Tide)
+
+
+def validate_tide_table(table: dict[str, Any] | None) -> Tide:
+    """Check a raw ``[tide]`` TOML table (unknown keys and values) and build :class:`Tide`.
+
+    Raises:
+        TideConfigError: naming the bad key or value and listing what is accepted.
+    """
+    table = dict(table or {})
+    known = [f.name for f in fields(Tide)]
+    unknown = sorted(set(table) - set(known))
+    if unknown:
+        raise TideConfigError(
+            f"[tide] has unknown key(s) {unknown}; valid keys are {known}. "
+            "Remove or rename them (see torchtitan_tide/config.py)."
+        )
+    return Tide(**table)
+
+
+def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise TideConfigError(
+            f"[tide] {key} = {value!r} is not valid; choose one of {list(choices)}"
+        )
+
+
+def _check_int(key: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise TideConfigError(
+            f"[tide] {key} = {value!r} must be an integer >= {minimum}"
+        )
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """Parse a TOML file; errors name the file."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"config file {path!r} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise TideConfigError(f"config file {path!r} is not valid TOML: {exc}") from None
+
+
+def check_config_file(path: str) -> Tide:
+    """Validate the ``[tide]`` table and the custom_config_module of a training TOML."""
+    table = load_toml(path)
+    if "tide" in table:
+        custom_module = table.get("job", {}).get("custom_config_module")
+        if custom_module != "torchtitan_tide.config":
+            raise TideConfigError(
+                f"{path}: has a [tide] section but [job] custom_config_module = "
+                f"{custom_module!r}; set it to \"torchtitan_tide.config\""
+            )
+    try:
+        return validate_tide_table(table.get("tide"))
+    except TideConfigError as exc:
+        raise TideConfigError(f"{path}: {exc}") from None

@@ -1,0 +1,74 @@
+"""Training entry point: ``python -m torchtitan_tide.train --job.config_file X.toml [...]``.
+
+Runs TorchTitan 0.2.2's own Trainer. Before TorchTitan builds anything it:
+1. checks the TOML's ``[tide]`` table (unknown keys, bad values) and fails early;
+2. on machines without CUDA (or with ``TIDE_DEVICE=cpu``) switches TorchTitan to the
+   CPU device (gloo process groups, CPU memory monitor, CPU MoE index kernels);
+3. registers the ``*_tide`` train specs and the ``tide_text`` dataset;
+4. keeps W&B offline unless ``WANDB_MODE`` says otherwise (nothing leaves the machine).
+``run_train.sh`` launches this module under torchrun.
+"""
+
+import functools
+import os
+import sys
+
+from torchtitan_tide.config import check_config_file
+from torchtitan_tide.device import use_cpu_device, wants_cpu
+
+
+def config_file_from_args(args: list[str]) -> str | None:
+    """The value of ``--job.config_file`` / ``--job.config-file`` in ``args``, if any."""
+    for i, arg in enumerate(args):
+        key, eq, value = arg.partition("=")
+        if key in ("--job.config_file", "--job.config-file"):
+            if eq:
+                return value
+            return args[i + 1] if i + 1 < len(args) else None
+    return None
+
+
+def use_cpu_moe_kernels() -> None:
+    """Route TorchTitan's MoE token-permutation indices to its CPU implementation
+    (the default one is a Triton GPU kernel)."""
+    import torchtitan.models.moe.kernels as moe_kernels
+    import torchtitan.models.moe.utils as moe_utils
+
+    moe_utils.generate_permute_indices = functools.partial(
+        moe_kernels.generate_permute_indices, use_cpu=True
+    )
+
+
+def prepare(args: list[str]) -> str:
+    """Everything that must happen before TorchTitan's Trainer; returns the device type."""
+    config_file = config_file_from_args(args)
+    if config_file is not None:
+        check_config_file(config_file)
+    os.environ.setdefault("WANDB_MODE", "offline")
+    device_type = "cpu" if wants_cpu() else "cuda"
+    if device_type == "cpu":
+        use_cpu_device()
+        use_cpu_moe_kernels()
+    import torchtitan_tide.train_specs  # noqa: F401  (registers specs and dataset)
+
+    return device_type
+
+
+def main() -> None:
+    device_type = prepare(sys.argv[1:])
+    import torch
+    from torchtitan.tools.logging import init_logger, logger
+    from torchtitan.train import main as titan_main, Trainer
+
+    from torchtitan_tide.train_specs import nccl_version_string
+
+    init_logger()
+    logger.info(
+        f"torchtitan-tide: device {device_type}, torch {torch.__version__}, "
+        f"{nccl_version_string()}, W&B mode {os.environ['WANDB_MODE']}"
+    )
+    titan_main(Trainer)
+
+
+if __name__ == "__main__":
+    main()

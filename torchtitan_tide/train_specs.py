@@ -1,0 +1,154 @@
+"""TorchTitan train specs whose FSDP communication follows ``[tide] comm``.
+
+``llama3_tide`` and ``qwen3_tide`` reuse TorchTitan's llama3 / qwen3 models, flavors,
+loss, optimizers and tokenizer; their ``parallelize_fn`` runs the stock one, then
+:func:`apply_comm_mode` switches every FSDP module to the chosen mode. Importing this
+module registers the specs (TOML: ``[experimental] custom_import =
+"torchtitan_tide.train_specs"``) and the embedded dataset ``tide_text``.
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torchtitan.components.tokenizer import build_hf_tokenizer, HuggingFaceTokenizer
+from torchtitan.config import JobConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.protocols.train_spec import get_train_spec, register_train_spec, TrainSpec
+from torchtitan.tools.logging import logger
+
+from torchtitan_tide.config import Tide
+from torchtitan_tide.data import register_dataset, resolve_asset_path
+from torchtitan_tide.metrics import build_metrics_processor_with_jsonl
+
+ParallelizeFn = Callable[[nn.Module, ParallelDims, JobConfig], nn.Module]
+
+# Modes whose implementation has landed; the others fail with the issue that adds them.
+IMPLEMENTED_MODES = {"fsdp2": None, "symm_mem": "issue 5 (the symm_mem baseline)", "tide": None}
+
+
+class CommModeError(RuntimeError):
+    """``[tide] comm`` cannot run here; the message says why and what to change."""
+
+
+def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def unavailable_reason(mode: str, backend: str) -> str | None:
+    """Why ``mode`` cannot run on a process group with ``backend``; None when it can."""
+    if mode == "symm_mem" and "nccl" not in backend:
+        return (
+            f"comm = 'symm_mem' needs CUDA GPUs with the NCCL backend (symmetric memory), "
+            f"but the process group backend is {backend!r}"
+        )
+    return None
+
+
+def apply_comm_mode(model: nn.Module, tide: Tide, parallel_dims: ParallelDims) -> str:
+    """Switch every FSDP module of ``model`` to ``tide.comm``; return the mode in effect.
+
+    Logs the path taken on every rank. On gloo (CPU) FSDP2's gradient reduction is
+    forced to plain SUM (gloo has no PREMUL_SUM; TorchTitan already sets the divide
+    factor to 1.0 and scales the loss by the global token count).
+
+    Raises:
+        CommModeError: the mode is not implemented yet, needs FSDP, or cannot run on
+            this backend and ``fallback`` is "none".
+    """
+    mode = tide.comm
+    rank = dist.get_rank()
+    backend = str(dist.get_backend())
+    modules = fsdp_modules(model)
+    if IMPLEMENTED_MODES[mode] is not None:
+        raise CommModeError(
+            f"[tide] comm = {mode!r} is not available in this version: it arrives with "
+            f"{IMPLEMENTED_MODES[mode]}. Use comm = 'fsdp2' or 'tide'."
+        )
+    if mode != "fsdp2" and not modules:
+        raise CommModeError(
+            f"[tide] comm = {mode!r} needs FSDP (data_parallel_shard_degree > 1 or -1), "
+            "but the model has no FSDP module; use comm = 'fsdp2'"
+        )
+    if ignored := tide.options_ignored_by_mode():
+        logger.warning(f"[tide] options {ignored} only apply to comm = 'tide'; ignored under {mode!r}")
+
+    reason = unavailable_reason(mode, backend)
+    if reason is not None:
+        if tide.fallback != "fsdp2":
+            raise CommModeError(f"{reason}. Set [tide] fallback = 'fsdp2' to run stock FSDP2 instead.")
+        logger.warning(f"[rank {rank}] {reason}; falling back to comm = 'fsdp2' as [tide] fallback asks")
+        mode = "fsdp2"
+
+    if "gloo" in backend:
+        for module in modules:
+            module.set_force_sum_reduction_for_comms(True)
+
+    if mode == "tide":
+        from torchtitan_tide import comm
+
+        comm.apply(model, mode="tide", **tide.comm_options())
+    logger.info(
+        f"[rank {rank}] comm mode {mode!r} on {len(modules)} FSDP modules "
+        f"(backend {backend}, {nccl_version_string()})"
+    )
+    return mode
+
+
+def nccl_version_string() -> str:
+    """The NCCL version loaded by this process, or why there is none."""
+    if not torch.cuda.is_available():
+        return "no CUDA, NCCL not loaded"
+    try:
+        major, minor, patch = torch.cuda.nccl.version()[:3]
+        return f"NCCL {major}.{minor}.{patch}"
+    except (RuntimeError, AttributeError) as exc:
+        return f"NCCL version unknown ({exc})"
+
+
+def wrap_parallelize(parallelize_fn: ParallelizeFn) -> ParallelizeFn:
+    """Run TorchTitan's ``parallelize_fn``, then :func:`apply_comm_mode`."""
+
+    def parallelize_with_comm_mode(
+        model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig
+    ) -> nn.Module:
+        model = parallelize_fn(model, parallel_dims, job_config)
+        apply_comm_mode(model, job_config.tide, parallel_dims)
+        return model
+
+    return parallelize_with_comm_mode
+
+
+def build_tokenizer(job_config: JobConfig, *args, **kwargs) -> HuggingFaceTokenizer:
+    """TorchTitan's HF tokenizer; ``torchtitan_tide/assets/...`` paths resolve to the package."""
+    job_config.model.hf_assets_path = resolve_asset_path(job_config.model.hf_assets_path)
+    return build_hf_tokenizer(job_config, *args, **kwargs)
+
+
+def tide_spec(base: TrainSpec) -> TrainSpec:
+    """``base`` with the comm-mode parallelize wrapper, JSONL metrics, packaged tokenizer."""
+    return dataclasses.replace(
+        base,
+        parallelize_fn=wrap_parallelize(base.parallelize_fn),
+        build_metrics_processor_fn=build_metrics_processor_with_jsonl,
+        build_tokenizer_fn=build_tokenizer,
+    )
+
+
+SPECS = {"llama3_tide": "llama3", "qwen3_tide": "qwen3"}
+
+
+def register() -> None:
+    """Register the specs and the ``tide_text`` dataset; safe to call twice."""
+    from torchtitan.protocols import train_spec as train_spec_module
+
+    register_dataset()
+    for name, base_name in SPECS.items():
+        if name not in train_spec_module._extra_train_specs:
+            register_train_spec(name, tide_spec(get_train_spec(base_name)))
+
+
+register()
