@@ -7,9 +7,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from conftest import free_port
 from torchtitan_tide.config import Tide
 from torchtitan_tide.train_specs import apply_comm_mode, CommModeError, unavailable_reason
+from train_helpers import free_port
 
 
 @pytest.fixture

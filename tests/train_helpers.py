@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -35,3 +36,9 @@ def read_metrics(dump_folder: Path) -> list[dict]:
 
 def losses(records: list[dict]) -> dict[int, float]:
     return {r["step"]: r["loss_metrics/global_avg_loss"] for r in records}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

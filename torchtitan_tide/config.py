@@ -10,6 +10,8 @@ group exists, with an error that names the key and the fix.
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from models.wan22.job_config import Wan22DataConfig
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -93,9 +95,11 @@ class Tide:
 
 @dataclass
 class JobConfig:
-    """Merged into TorchTitan's JobConfig through ``[job] custom_config_module``."""
+    """Merged into TorchTitan's JobConfig through ``[job] custom_config_module``:
+    ``[tide]`` for every run, ``[wan22]`` for the Wan2.2 spec (ignored by others)."""
 
     tide: Tide = field(default_factory=Tide)
+    wan22: Wan22DataConfig = field(default_factory=Wan22DataConfig)
 
 
 def validate_tide_table(table: dict[str, Any] | None) -> Tide:

@@ -1,8 +1,9 @@
 """TorchTitan train specs whose FSDP communication follows ``[tide] comm``.
 
 ``llama3_tide`` and ``qwen3_tide`` reuse TorchTitan's llama3 / qwen3 models, flavors,
-loss, optimizers and tokenizer; their ``parallelize_fn`` runs the stock one, then
-:func:`apply_comm_mode` switches every FSDP module to the chosen mode. Importing this
+loss, optimizers and tokenizer; ``wan22`` is this project's Wan2.2 DiT (``models/wan22``).
+Each spec's ``parallelize_fn`` runs the model's own, then :func:`apply_comm_mode`
+switches every FSDP module to the chosen mode. Importing this
 module registers the specs (TOML: ``[experimental] custom_import =
 "torchtitan_tide.train_specs"``) and the embedded dataset ``tide_text``.
 """
@@ -129,16 +130,32 @@ def build_tokenizer(job_config: JobConfig, *args, **kwargs) -> HuggingFaceTokeni
 
 
 def tide_spec(base: TrainSpec) -> TrainSpec:
-    """``base`` with the comm-mode parallelize wrapper, JSONL metrics, packaged tokenizer."""
+    """``base`` with the comm-mode parallelize wrapper, JSONL metrics, and (for HF
+    tokenizers) tokenizer paths that resolve inside the package."""
+    tokenizer_fn = base.build_tokenizer_fn
     return dataclasses.replace(
         base,
         parallelize_fn=wrap_parallelize(base.parallelize_fn),
         build_metrics_processor_fn=build_metrics_processor_with_jsonl,
-        build_tokenizer_fn=build_tokenizer,
+        build_tokenizer_fn=build_tokenizer if tokenizer_fn is build_hf_tokenizer else tokenizer_fn,
     )
 
 
-SPECS = {"llama3_tide": "llama3", "qwen3_tide": "qwen3"}
+def _stock(name: str) -> Callable[[], TrainSpec]:
+    return lambda: get_train_spec(name)
+
+
+def _wan22() -> TrainSpec:
+    from models.wan22 import build_wan22_train_spec
+
+    return build_wan22_train_spec()
+
+
+SPECS: dict[str, Callable[[], TrainSpec]] = {
+    "llama3_tide": _stock("llama3"),
+    "qwen3_tide": _stock("qwen3"),
+    "wan22": _wan22,
+}
 
 
 def register() -> None:
@@ -146,9 +163,9 @@ def register() -> None:
     from torchtitan.protocols import train_spec as train_spec_module
 
     register_dataset()
-    for name, base_name in SPECS.items():
+    for name, build_base in SPECS.items():
         if name not in train_spec_module._extra_train_specs:
-            register_train_spec(name, tide_spec(get_train_spec(base_name)))
+            register_train_spec(name, tide_spec(build_base()))
 
 
 register()

@@ -1,0 +1,1 @@
+"""Model definitions that torchtitan does not ship (see ``models/wan22``)."""
