@@ -34,3 +34,14 @@ def test_checkpoint_resume_gives_the_same_losses(tmp_path):
     assert sorted(resumed) == [5, 6, 7, 8]
     for step in (5, 6, 7, 8):
         assert resumed[step] == straight[step], (step, resumed, straight)
+
+
+def test_tide_matches_fsdp2_bitwise(tmp_path):
+    """Same seed, same data: TIDE-AG (gloo point-to-point, 2 ranks as 2 nodes and as one
+    node of 2) gives the losses of stock FSDP2 exactly."""
+    steps = ["--training.steps", "5"]
+    stock = losses(train(tmp_path / "fsdp2", *steps, "--tide.comm", "fsdp2"))
+    as_two_nodes = losses(train(tmp_path / "tide_2x1", *steps, "--tide.comm", "tide",
+                                "--tide.local_world_size", "1"))
+    as_one_node = losses(train(tmp_path / "tide_1x2", *steps, "--tide.comm", "tide"))
+    assert stock == as_two_nodes == as_one_node, (stock, as_two_nodes, as_one_node)

@@ -46,7 +46,7 @@ class Tide:
     Only read when comm = "tide"."""
 
     local_world_size: int = 0
-    """Ranks per node as TIDE sees them. 0: detect (LOCAL_WORLD_SIZE from torchrun). Set it
+    """Ranks per node as TIDE sees them. 0: detect (ranks grouped by host name). Set it
     to test the cross-node path on one host, e.g. 1 to treat 2 GPUs as 2 nodes. Must divide
     the data-parallel shard degree. Only read when comm = "tide"."""
 

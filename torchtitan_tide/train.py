@@ -12,6 +12,9 @@ Runs TorchTitan 0.2.2's own Trainer. Before TorchTitan builds anything it:
 import functools
 import os
 import sys
+import types
+
+import torch
 
 from torchtitan_tide.config import check_config_file
 from torchtitan_tide.device import use_cpu_device, wants_cpu
@@ -28,15 +31,32 @@ def config_file_from_args(args: list[str]) -> str | None:
     return None
 
 
+class _TorchWithIntegerHistc(types.ModuleType):
+    """``torch`` as TorchTitan's MoE router sees it on CPU: ``histc`` also counts integer
+    expert indices (CPU ``histc`` takes floats only; counts stay exact below 2**24)."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def histc(values: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if values.is_floating_point():
+            return torch.histc(values, *args, **kwargs)
+        return torch.histc(values.float(), *args, **kwargs).to(values.dtype)
+
+
 def use_cpu_moe_kernels() -> None:
-    """Route TorchTitan's MoE token-permutation indices to its CPU implementation
-    (the default one is a Triton GPU kernel)."""
+    """Make TorchTitan's MoE layers run on CPU: token-permutation indices from its CPU
+    implementation (the default is a Triton GPU kernel), and expert counts through
+    :class:`_TorchWithIntegerHistc`."""
     import torchtitan.models.moe.kernels as moe_kernels
+    import torchtitan.models.moe.moe as moe_layers
     import torchtitan.models.moe.utils as moe_utils
 
     moe_utils.generate_permute_indices = functools.partial(
         moe_kernels.generate_permute_indices, use_cpu=True
     )
+    moe_layers.torch = _TorchWithIntegerHistc("torch")
 
 
 def prepare(args: list[str]) -> str:
@@ -56,7 +76,6 @@ def prepare(args: list[str]) -> str:
 
 def main() -> None:
     device_type = prepare(sys.argv[1:])
-    import torch
     from torchtitan.tools.logging import init_logger, logger
     from torchtitan.train import main as titan_main, Trainer
 

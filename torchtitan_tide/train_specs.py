@@ -141,8 +141,21 @@ def tide_spec(base: TrainSpec) -> TrainSpec:
     )
 
 
-def _stock(name: str) -> Callable[[], TrainSpec]:
-    return lambda: get_train_spec(name)
+def _with_reduced_depth(spec: TrainSpec, flavor: str, n_layers: int) -> TrainSpec:
+    """Add flavor ``{flavor}_{n_layers}layers``: full width, ``n_layers`` blocks (configs
+    that fit a 2-GPU machine yet keep the per-layer FSDP group sizes of the full model)."""
+    reduced = dataclasses.replace(spec.model_args[flavor], n_layers=n_layers)
+    return dataclasses.replace(
+        spec, model_args={**spec.model_args, f"{flavor}_{n_layers}layers": reduced}
+    )
+
+
+def _llama3() -> TrainSpec:
+    return _with_reduced_depth(get_train_spec("llama3"), "70B", 4)
+
+
+def _qwen3() -> TrainSpec:
+    return _with_reduced_depth(get_train_spec("qwen3"), "30B-A3B", 4)
 
 
 def _wan22() -> TrainSpec:
@@ -152,8 +165,8 @@ def _wan22() -> TrainSpec:
 
 
 SPECS: dict[str, Callable[[], TrainSpec]] = {
-    "llama3_tide": _stock("llama3"),
-    "qwen3_tide": _stock("qwen3"),
+    "llama3_tide": _llama3,
+    "qwen3_tide": _qwen3,
     "wan22": _wan22,
 }
 

@@ -1,0 +1,88 @@
+"""FSDP2 communication modes of torchtitan-tide: one switch per model.
+
+``apply(model, mode, **options)`` on a model already sharded with
+``fully_shard`` (inside or outside TorchTitan); ``remove(model)`` undoes it.
+
+Modes: ``"fsdp2"`` (stock, no-op), ``"tide"`` (TIDE-AG: zero-copy all-gather
+into per-parameter storage; options in :class:`TideAGOptions`) and
+``"symm_mem"`` (registered by its own module, see :func:`register_mode`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from torch import nn
+
+from . import fsdp_patch
+from .options import TideAGOptions
+
+__all__ = ["TideAGOptions", "apply", "available_modes", "register_mode", "remove"]
+
+logger = logging.getLogger(__name__)
+
+_MODE_ATTR = "_tide_comm_mode"
+ApplyFn = Callable[..., None]  # (model, **options) -> None
+RemoveFn = Callable[[nn.Module], None]
+
+
+def _apply_fsdp2(model: nn.Module, **options: object) -> None:
+    if options:
+        raise ValueError(f"comm mode 'fsdp2' takes no options, got {sorted(options)}")
+    logger.info("comm mode fsdp2: stock FSDP2 collectives (nothing installed)")
+
+
+def _remove_fsdp2(model: nn.Module) -> None:
+    return None
+
+
+def _apply_tide(model: nn.Module, **options: object) -> None:
+    fsdp_patch.install(model, TideAGOptions.from_kwargs(**options))
+
+
+# mode -> (apply_fn, remove_fn); other modules add modes with register_mode.
+_MODES: dict[str, tuple[ApplyFn, RemoveFn]] = {
+    "fsdp2": (_apply_fsdp2, _remove_fsdp2),
+    "tide": (_apply_tide, fsdp_patch.uninstall),
+}
+# Known modes that are not built yet: name -> message.
+_PLANNED: dict[str, str] = {"symm_mem": "comm='symm_mem' is not available yet (issue 5)"}
+
+
+def register_mode(name: str, apply_fn: ApplyFn, remove_fn: RemoveFn) -> None:
+    """Register (or replace) a comm mode. ``apply_fn(model, **options)`` must
+    raise ``ValueError`` on bad options; ``remove_fn(model)`` must undo it."""
+    _MODES[name] = (apply_fn, remove_fn)
+
+
+def available_modes() -> tuple[str, ...]:
+    return tuple(sorted(set(_MODES) | set(_PLANNED)))
+
+
+def apply(model: nn.Module, mode: str = "tide", **options: object) -> None:
+    """Switch the FSDP2 communication of ``model`` (already ``fully_shard``-ed)
+    to ``mode``. Call on every rank, in the same order, before the first
+    forward or between steps (never while an all-gather is pending)."""
+    if mode not in _MODES:
+        if mode in _PLANNED:
+            raise NotImplementedError(_PLANNED[mode])
+        raise ValueError(f"unknown comm mode {mode!r}; choose one of {available_modes()}")
+    current = getattr(model, _MODE_ATTR, None)
+    if current is not None and current != "fsdp2":
+        raise ValueError(
+            f"comm mode {current!r} is already applied to this model; call remove(model) first"
+        )
+    apply_fn, _ = _MODES[mode]
+    apply_fn(model, **options)
+    setattr(model, _MODE_ATTR, mode)
+
+
+def remove(model: nn.Module) -> None:
+    """Undo :func:`apply`: the model uses stock FSDP2 collectives again."""
+    mode = getattr(model, _MODE_ATTR, None)
+    if mode is None:
+        return
+    _, remove_fn = _MODES[mode]
+    remove_fn(model)
+    delattr(model, _MODE_ATTR)

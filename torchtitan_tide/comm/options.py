@@ -1,0 +1,100 @@
+"""Options of TIDE-AG (the ``[tide]`` TOML section maps onto these fields)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+__all__ = ["TRANSPORTS", "TideAGOptions", "resolve_local_world_size"]
+
+TRANSPORTS = ("auto", "copy_engine", "nccl_p2p", "gloo")
+
+
+@dataclass(frozen=True)
+class TideAGOptions:
+    """Options of the TIDE all-gather.
+
+    transport:
+        ``"auto"``: the copy engine (peers pull from symmetric memory with one
+        ``cudaMemcpyBatchAsync``) when all ranks of the group are on one node,
+        CUDA is used and every peer is P2P-reachable; point-to-point
+        send/recv (NCCL on GPU, gloo on CPU) otherwise.
+        ``"copy_engine"``: force the copy engine (CUDA, one node only).
+        ``"nccl_p2p"`` / ``"gloo"``: force point-to-point send/recv through the
+        group's backend; both names select the same code, the name only
+        documents the expected backend and is checked against it.
+    local_world_size:
+        Ranks per node within the FSDP group. ``None``: found from the host
+        names of the group's ranks (see ``resolve_local_world_size``; this is
+        right for strided sub-groups where ``LOCAL_WORLD_SIZE`` or the device
+        count are not). Set it to test the cross-node path on one machine,
+        e.g. 1 on 2 GPUs (2 "nodes" of 1) or 2 on 4 gloo ranks (2 x 2). Must
+        divide the size of every FSDP group.
+    pacing:
+        Maximum number of chunks (one contiguous range of one parameter) posted
+        per direction in one batch of point-to-point operations. A step of the
+        exchange with more chunks is split into waves; wave ``i + 1`` is posted
+        after wave ``i`` completes. ``0``: a whole step in one batch. It bounds
+        the number of outstanding send/recv operations (and NCCL p2p
+        channels/fifo slots) per step; it does not affect the copy engine.
+    """
+
+    transport: str = "auto"
+    local_world_size: int | None = None
+    pacing: int = 0
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(
+                f"tide option transport={self.transport!r} is not one of {TRANSPORTS}; "
+                "use 'auto' unless you are testing one transport"
+            )
+        if self.local_world_size is not None and (
+            not isinstance(self.local_world_size, int) or self.local_world_size < 1
+        ):
+            raise ValueError(
+                f"tide option local_world_size={self.local_world_size!r} must be a positive "
+                "int that divides the world size, or None to detect it"
+            )
+        if not isinstance(self.pacing, int) or self.pacing < 0:
+            raise ValueError(
+                f"tide option pacing={self.pacing!r} must be an int >= 0 (0 = no limit)"
+            )
+
+    @classmethod
+    def from_kwargs(cls, **options: object) -> TideAGOptions:
+        """Build from ``apply(**options)``; unknown names raise ``ValueError``."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown tide option(s) {unknown}; valid options are {sorted(known)}")
+        return cls(**options)  # type: ignore[arg-type]
+
+
+def resolve_local_world_size(options: TideAGOptions, hostnames: list[str]) -> tuple[int, str]:
+    """Ranks per node of a group whose rank ``r`` runs on ``hostnames[r]``;
+    returns ``(local_world_size, how it was found)``.
+
+    The option wins (it must divide the group size, else ``ValueError``).
+    Otherwise the hosts decide: if every host holds one contiguous, equal-size
+    block of group ranks, that block size; if not (e.g. an FSDP group strided
+    across nodes with tensor parallelism inside the node), 1: every rank is
+    treated as its own node, which is always correct (p2p only).
+    """
+    world = len(hostnames)
+    if options.local_world_size is not None:
+        lws = options.local_world_size
+        if world % lws:
+            raise ValueError(
+                f"tide option local_world_size={lws} must divide the FSDP group size {world}; "
+                f"set it to a divisor of {world} or leave it unset to detect nodes by host"
+            )
+        return lws, "option local_world_size"
+    runs: list[list] = []  # [host, count] per run of equal consecutive hosts
+    for host in hostnames:
+        if runs and runs[-1][0] == host:
+            runs[-1][1] += 1
+        else:
+            runs.append([host, 1])
+    if len({h for h, _ in runs}) == len(runs) and len({c for _, c in runs}) == 1:
+        return runs[0][1], f"{len(runs)} host(s) with {runs[0][1]} consecutive group ranks each"
+    return 1, "ranks of a host are not one contiguous equal-size block: one rank per node"

@@ -1,0 +1,325 @@
+"""TIDE-AG layout plan: where every rank's shard of every parameter lands.
+
+Pure Python: dataclasses and integer arithmetic, no ``torch.distributed`` calls,
+so every rule here is unit-tested without processes.
+
+Layout facts (FSDP2, dim-0 sharding, torch 2.11-2.13):
+
+- A parameter of an FSDP group is sharded on dim 0 into ``world_size`` chunks;
+  chunk 0 is the largest and every rank pads its chunk to that size, so every
+  rank holds ``shard_numel`` elements (the *padded* shard, same on all ranks).
+- The unsharded storage of the parameter (FSDP's ``all_gather_outputs[0]``)
+  is 1-D with ``shard_numel * world_size`` elements, rank-major:
+  ``[shard_r0 | shard_r1 | ... ]``. Rank ``r``'s shard lands at
+  ``dst_offset(r) = r * shard_numel``. The unsharded parameter is a view of
+  the first ``prod(orig_size)`` elements; padding sits in the tail of each
+  shard and is written like any other element.
+- World = ``num_nodes x local_world_size``, rank ``r = node * L + local``. The
+  shards of one node are one contiguous run of a parameter's storage, and so
+  are those of any run of consecutive ranks: a set of ranks is moved as one
+  :class:`Chunk` per maximal run of consecutive ranks.
+
+Schedule (per rank, deterministic, identical on all ranks):
+
+1. cross-node phase among ranks with the same local index: recursive doubling
+   when ``num_nodes`` is a power of two (step ``k`` swaps the aligned block of
+   ``2**k`` nodes already held with the partner node ``node ^ 2**k``), else
+   ``num_nodes - 1`` direct steps (step ``s`` sends the own shard to node
+   ``node + s`` and receives from ``node - s``). After it, rank ``(n, l)``
+   holds the shards of ranks ``(m, l)`` for all nodes ``m``.
+2. node-local phase: every local peer ``l'`` needs the ``num_nodes`` shards
+   ``(m, l)`` this rank holds. As point-to-point steps: step ``s`` sends to
+   local index ``l + s`` and receives from ``l - s``. The copy-engine
+   transport instead pulls them in one batch (see ``local_pulls``).
+
+When ``local_world_size == 1`` every cross-node step moves ONE contiguous
+chunk per parameter (the ``2**k`` node blocks are adjacent). When
+``local_world_size > 1`` the shards of one local index are strided by ``L``
+shards, so a step moves ``2**k`` chunks of one shard each per parameter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = [
+    "Chunk",
+    "Exchange",
+    "GroupPlan",
+    "ParamPlan",
+    "ParamSpec",
+    "WorldLayout",
+    "build_group_plan",
+    "chunks_for_ranks",
+    "cross_node_exchanges",
+    "local_pulls",
+    "node_local_exchanges",
+    "pace_chunks",
+]
+
+
+@dataclass(frozen=True)
+class WorldLayout:
+    """``num_nodes x local_world_size`` ranks; rank = node * L + local index."""
+
+    world_size: int
+    local_world_size: int
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.local_world_size < 1 or self.world_size % self.local_world_size:
+            raise ValueError(
+                f"local_world_size={self.local_world_size} must be >= 1 and divide "
+                f"world_size={self.world_size}"
+            )
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.local_world_size
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.local_world_size
+
+    def local_of(self, rank: int) -> int:
+        return rank % self.local_world_size
+
+    def rank_of(self, node: int, local: int) -> int:
+        return node * self.local_world_size + local
+
+    def node_ranks(self, node: int) -> tuple[int, ...]:
+        start = node * self.local_world_size
+        return tuple(range(start, start + self.local_world_size))
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """What the plan needs to know about one FSDP parameter (filled by fsdp_patch).
+
+    ``shard_numel`` is the padded per-rank shard numel. ``dtype`` is the
+    all-gather (unsharded) dtype name, e.g. ``"torch.bfloat16"``.
+    ``unsupported`` is a reason string when TIDE cannot place the parameter.
+    """
+
+    fqn: str
+    shard_numel: int
+    dtype: str
+    unsupported: str | None = None
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    """Placement of one parameter: rank r's shard -> [dst_offset(r), +shard_numel)."""
+
+    index: int
+    fqn: str
+    shard_numel: int
+    world_size: int
+    dtype: str
+
+    @property
+    def unsharded_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+    def dst_offset(self, rank: int) -> int:
+        """Element offset of ``rank``'s shard in the unsharded flat storage."""
+        return rank * self.shard_numel
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A contiguous element range ``[offset, offset + numel)`` of one
+    parameter's unsharded storage; it holds the shards of ``ranks`` (a run of
+    consecutive ranks). Sender and receiver use the same offsets."""
+
+    param_index: int
+    offset: int
+    numel: int
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One point-to-point step for one rank: send the shards of ``send_ranks``
+    to ``send_peer`` and receive the shards of ``recv_ranks`` from
+    ``recv_peer`` (peers are group ranks; ``send_peer == recv_peer`` for
+    recursive doubling)."""
+
+    phase: str  # "cross_node" | "node_local"
+    step: int
+    send_peer: int
+    send_ranks: tuple[int, ...]
+    recv_peer: int
+    recv_ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """Plan of one FSDP parameter group as seen from ``rank``.
+
+    ``fallback_reason`` is set when the group must take FSDP2's own path;
+    then ``params``/``exchanges`` are empty.
+    """
+
+    rank: int
+    layout: WorldLayout
+    params: tuple[ParamPlan, ...] = ()
+    exchanges: tuple[Exchange, ...] = ()
+    fallback_reason: str | None = None
+    dtypes: tuple[str, ...] = field(default=())
+
+    @property
+    def uses_tide(self) -> bool:
+        return self.fallback_reason is None
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def cross_node_exchanges(layout: WorldLayout, rank: int) -> list[Exchange]:
+    """Cross-node steps of ``rank`` (empty for one node). See module docstring."""
+    num_nodes, local = layout.num_nodes, layout.local_of(rank)
+    node = layout.node_of(rank)
+    out: list[Exchange] = []
+    if num_nodes == 1:
+        return out
+    if _is_power_of_two(num_nodes):
+        k, block = 0, 1
+        while block < num_nodes:
+            partner = node ^ block
+            my_start = (node // block) * block
+            peer_start = (partner // block) * block
+            out.append(
+                Exchange(
+                    phase="cross_node",
+                    step=k,
+                    send_peer=layout.rank_of(partner, local),
+                    send_ranks=tuple(
+                        layout.rank_of(m, local) for m in range(my_start, my_start + block)
+                    ),
+                    recv_peer=layout.rank_of(partner, local),
+                    recv_ranks=tuple(
+                        layout.rank_of(m, local) for m in range(peer_start, peer_start + block)
+                    ),
+                )
+            )
+            k, block = k + 1, block * 2
+        return out
+    for s in range(1, num_nodes):
+        dst_node, src_node = (node + s) % num_nodes, (node - s) % num_nodes
+        out.append(
+            Exchange(
+                phase="cross_node",
+                step=s - 1,
+                send_peer=layout.rank_of(dst_node, local),
+                send_ranks=(rank,),
+                recv_peer=layout.rank_of(src_node, local),
+                recv_ranks=(layout.rank_of(src_node, local),),
+            )
+        )
+    return out
+
+
+def node_local_exchanges(layout: WorldLayout, rank: int) -> list[Exchange]:
+    """Node-local point-to-point steps of ``rank`` (run after the cross-node
+    phase): step ``s`` sends the shards ``(m, l)`` for all nodes ``m`` to local
+    index ``l + s`` and receives ``(m, l - s)`` from local index ``l - s``."""
+    L, node, local = layout.local_world_size, layout.node_of(rank), layout.local_of(rank)
+    out: list[Exchange] = []
+    for s in range(1, L):
+        dst_local, src_local = (local + s) % L, (local - s) % L
+        out.append(
+            Exchange(
+                phase="node_local",
+                step=s - 1,
+                send_peer=layout.rank_of(node, dst_local),
+                send_ranks=tuple(layout.rank_of(m, local) for m in range(layout.num_nodes)),
+                recv_peer=layout.rank_of(node, src_local),
+                recv_ranks=tuple(layout.rank_of(m, src_local) for m in range(layout.num_nodes)),
+            )
+        )
+    return out
+
+
+def local_pulls(layout: WorldLayout, rank: int) -> dict[int, tuple[int, ...]]:
+    """For the pull-based (copy-engine) node-local phase with one node:
+    ``{peer: ranks whose shards are pulled from that peer}``. Only defined for
+    ``num_nodes == 1`` (every peer holds exactly its own shard)."""
+    if layout.num_nodes != 1:
+        raise ValueError("local_pulls is defined for a single node only")
+    return {p: (p,) for p in range(layout.world_size) if p != rank}
+
+
+def chunks_for_ranks(params: tuple[ParamPlan, ...], ranks: tuple[int, ...]) -> list[Chunk]:
+    """The contiguous chunks holding the shards of ``ranks``, per parameter, in
+    parameter order then rank order. Consecutive ranks merge into one chunk."""
+    runs: list[tuple[int, ...]] = []
+    for r in sorted(ranks):
+        if runs and runs[-1][-1] + 1 == r:
+            runs[-1] = runs[-1] + (r,)
+        else:
+            runs.append((r,))
+    chunks: list[Chunk] = []
+    for p in params:
+        if p.shard_numel == 0:
+            continue
+        for run in runs:
+            chunks.append(
+                Chunk(
+                    param_index=p.index,
+                    offset=p.dst_offset(run[0]),
+                    numel=p.shard_numel * len(run),
+                    ranks=run,
+                )
+            )
+    return chunks
+
+
+def pace_chunks(chunks: list[Chunk], pacing: int) -> list[list[Chunk]]:
+    """Split one step's chunks into waves of at most ``pacing`` chunks
+    (``pacing <= 0``: one wave). Both sides of an exchange compute the same
+    waves from the same plan, so wave ``i`` of the sender matches wave ``i`` of
+    the receiver."""
+    if pacing <= 0 or len(chunks) <= pacing:
+        return [chunks] if chunks else []
+    return [chunks[i : i + pacing] for i in range(0, len(chunks), pacing)]
+
+
+def build_group_plan(
+    specs: list[ParamSpec], layout: WorldLayout, rank: int, *, pull_local: bool = False
+) -> GroupPlan:
+    """Plan one FSDP group for ``rank``.
+
+    Any unsupported parameter makes the whole group fall back (FSDP2 gathers a
+    group in one collective; splitting a group between two paths would need two
+    results per unshard). ``pull_local=True`` leaves the node-local phase to a
+    pull-based transport (no node-local exchanges in the plan).
+    """
+    if not 0 <= rank < layout.world_size:
+        raise ValueError(f"rank {rank} outside world of {layout.world_size}")
+    bad = [f"{s.fqn}: {s.unsupported}" for s in specs if s.unsupported]
+    if bad:
+        return GroupPlan(rank=rank, layout=layout, fallback_reason="; ".join(bad))
+    if not specs:
+        return GroupPlan(rank=rank, layout=layout, fallback_reason="no parameters")
+    params = tuple(
+        ParamPlan(
+            index=i,
+            fqn=s.fqn,
+            shard_numel=s.shard_numel,
+            world_size=layout.world_size,
+            dtype=s.dtype,
+        )
+        for i, s in enumerate(specs)
+    )
+    exchanges = cross_node_exchanges(layout, rank)
+    if not pull_local:
+        exchanges += node_local_exchanges(layout, rank)
+    return GroupPlan(
+        rank=rank,
+        layout=layout,
+        params=params,
+        exchanges=tuple(exchanges),
+        dtypes=tuple(sorted({s.dtype for s in specs})),
+    )

@@ -1,0 +1,45 @@
+"""Transports of TIDE-AG behind one small interface.
+
+A transport fills the non-own shard slots of every parameter's unsharded
+storage of one FSDP group. Contract of :meth:`AllGatherTransport.gather`:
+
+- Called under ``torch.no_grad()`` with the current stream set to the stream
+  TIDE-AG runs on (CUDA) and after this rank's own shard has been written to
+  ``outputs[i][dst_offset(rank) : + shard_numel]`` on that stream, unless the
+  transport sets ``writes_own_shard = True`` (then it writes it itself).
+- ``inputs[i]`` is this rank's padded shard of parameter ``i`` in its sharded
+  dtype (fp32 master weights, say); ``outputs[i]`` is the 1-D unsharded
+  storage in the all-gather dtype (bf16, say), owned by FSDP.
+- Work is enqueued on the current stream (or waited into it) before return:
+  when ``gather`` returns, an event recorded on the current stream covers every
+  write. Returning a ``dist.Work`` is allowed for CPU backends whose work is
+  not stream-ordered; the caller waits it before FSDP reads the storage.
+
+Current transports: ``p2p`` (``dist.batch_isend_irecv`` on the group's backend:
+gloo on CPU, NCCL on GPU) and ``copy_engine`` (one node, peers pull from
+symmetric memory with one ``cudaMemcpyBatchAsync``). A zero-SM transport on
+NCCL >= 2.29 one-sided puts would implement the same method.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from ..plan import GroupPlan
+
+__all__ = ["AllGatherTransport"]
+
+
+class AllGatherTransport(Protocol):
+    name: str
+
+    def gather(
+        self,
+        plan: GroupPlan,
+        inputs: list[torch.Tensor],
+        outputs: list[torch.Tensor],
+        group: dist.ProcessGroup,
+    ) -> dist.Work | None: ...

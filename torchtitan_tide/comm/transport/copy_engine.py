@@ -1,0 +1,283 @@
+"""Copy-engine transport (CUDA): node-local pulls from symmetric memory.
+
+Protocol of one all-gather (all on the current stream, which is TIDE's
+all-gather stream; every rank runs the same sequence of all-gathers on a
+process group, so ``round`` advances identically everywhere):
+
+1. pack: this rank's shards are cast once (e.g. fp32 -> bf16) into slot
+   ``round % 2`` of a symmetric-memory buffer of the node-local group, shared
+   by all TIDE groups of the process group (``SymmSlots``; capacity =
+   ``num_nodes`` x the largest group's packed shard bytes).
+2. (more than one node) cross-node phase: the plan's recursive-doubling
+   steps move whole node entries of the slot over point-to-point (NCCL), one
+   message per step for the whole group, into the peers' slots.
+3. ``handle.barrier()`` on the node-local group: every local peer has packed
+   (and received) round ``r``. Because each rank runs all rounds in order on
+   one stream, the barrier of round ``r`` also proves every local peer
+   finished its pulls of round ``r - 1``; so when round ``r + 1`` writes slot
+   ``(r + 1) % 2`` (the slot of ``r - 1``) no peer still reads it. Two slots
+   and one barrier per all-gather make reuse safe.
+4. pull: ONE ``cudaMemcpyBatchAsync`` call copies every (source rank,
+   parameter) shard from the holder's slot straight into this rank's
+   parameter storage at ``dst_offset(source rank)``. Same dtype on both sides:
+   a pure copy-engine copy, no SM kernel. Measured (DESIGN.md section 2): 576
+   copies at 330 GiB/s as one batch versus 69 GiB/s as a loop of ``copy_``.
+
+If ``cuda-bindings`` is missing (or the batch call fails once), the pulls run
+as a loop of ``Tensor.copy_`` (each a ``cudaMemcpyAsync``), logged once as a
+warning; ``_batch_state`` records why.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..plan import GroupPlan
+
+__all__ = ["CopyEngineTransport", "SymmSlots", "batch_copy"]
+
+logger = logging.getLogger(__name__)
+
+_batch_state: dict[str, object] = {"disabled_reason": None, "logged": False}
+
+
+@dataclass
+class SymmSlots:
+    """Two slots of ``slot_bytes`` in one symmetric-memory buffer, shared by
+    all TIDE groups of one process group on one device. Owned by TIDE; lives
+    until ``remove``. ``round`` counts all-gathers issued on it."""
+
+    buffer: torch.Tensor  # uint8, 2 * slot_bytes, symmetric
+    handle: object  # torch._C._distributed_c10d._SymmetricMemory
+    slot_bytes: int
+    peer_bufs: list[torch.Tensor]  # each group rank's buffer, mapped here
+    peer_ptrs: list[int]  # data_ptr of each group rank's buffer
+    peer_devices: list[int]  # CUDA device index of each group rank
+    round: int = 0
+
+    @classmethod
+    def create(cls, slot_bytes: int, group: dist.ProcessGroup, device: torch.device) -> SymmSlots:
+        """Collective over ``group``: allocate and rendezvous the buffer."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        slot_bytes = (max(slot_bytes, 16) + 127) // 128 * 128
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:
+            try:
+                enable(group.group_name)
+            except Exception as e:  # noqa: BLE001 - deprecated/no-op on newer torch
+                logger.debug("enable_symm_mem_for_group: %s", e)
+        buffer = symm_mem.empty(2 * slot_bytes, dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(buffer, group.group_name)
+        world = group.size()
+        peer_bufs = [handle.get_buffer(r, (2 * slot_bytes,), torch.uint8, 0) for r in range(world)]
+        peer_ptrs = [t.data_ptr() for t in peer_bufs]
+        devices: list[int] = [0] * world
+        dist.all_gather_object(devices, device.index, group=group)
+        return cls(buffer, handle, slot_bytes, peer_bufs, peer_ptrs, devices)
+
+
+def _cudart():
+    from cuda.bindings import runtime as cudart  # lazy: GPU machines only
+
+    return cudart
+
+
+def _check(err: object, what: str) -> None:
+    cudart = _cudart()
+    if err != cudart.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"{what} failed: {err}")
+
+
+def batch_copy(
+    dsts: list[int],
+    srcs: list[int],
+    sizes: list[int],
+    src_devices: list[int],
+    dst_device: int,
+    stream: torch.cuda.Stream,
+) -> None:
+    """ONE ``cudaMemcpyBatchAsync`` of device-to-device copies on ``stream``
+    (must not be the legacy default stream). Copies are grouped by source
+    device; one attribute entry per run of equal source device with location
+    hints set, ``srcAccessOrder=Stream`` and ``PreferOverlapWithCompute``.
+    Raises on error (the caller falls back)."""
+    cudart = _cudart()
+    if stream.cuda_stream == 0:
+        raise ValueError("cudaMemcpyBatchAsync rejects the legacy default stream")
+    device_loc = cudart.cudaMemLocationType.cudaMemLocationTypeDevice
+    overlap = int(cudart.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute)
+    attrs, attrs_idxs, prev = [], [], None
+    for i, dev in enumerate(src_devices):
+        if dev == prev:
+            continue
+        a = cudart.cudaMemcpyAttributes()
+        a.srcAccessOrder = cudart.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+        a.srcLocHint.type = device_loc
+        a.srcLocHint.id = dev
+        a.dstLocHint.type = device_loc
+        a.dstLocHint.id = dst_device
+        a.flags = overlap
+        attrs.append(a)
+        attrs_idxs.append(i)
+        prev = dev
+    # cuda-bindings returns (err,) on CUDA 13 and (err, failIdx) on 12.8/12.9;
+    # the inputs are the same.
+    with torch.cuda.device(dst_device):
+        res = cudart.cudaMemcpyBatchAsync(
+            dsts, srcs, sizes, len(dsts), attrs, attrs_idxs, len(attrs), stream.cuda_stream
+        )
+    err = res[0] if isinstance(res, tuple) else res
+    _check(err, f"cudaMemcpyBatchAsync({len(dsts)} copies)")
+
+
+def _runs(nodes: list[int]) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive node indices as (first, count)."""
+    out: list[tuple[int, int]] = []
+    for m in sorted(nodes):
+        if out and out[-1][0] + out[-1][1] == m:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((m, 1))
+    return out
+
+
+class CopyEngineTransport:
+    """Node-local pulls from symmetric memory, optionally after a cross-node phase.
+
+    ``slots`` belong to the node-local process group: ``slots.peer_*[l]`` is
+    local index ``l``'s buffer. The plan must be built with ``pull_local=True``
+    (its exchanges are the cross-node phase only).
+
+    Slot layout of one round (per rank, local index ``l``): ``num_nodes``
+    entries of ``entry_bytes``; entry ``m`` holds the packed shards of rank
+    ``(m, l)`` (per parameter, 16-byte aligned). With more than one node:
+
+    1. pack the own shards into entry ``node``;
+    2. cross-node phase over point-to-point (``group``'s backend, NCCL): the
+       plan's exchanges, each a run of consecutive node entries = ONE message
+       per step for the whole group, from and into the slot (staging: this is
+       the one place TIDE-AG is not zero-copy, the slot is peer-readable);
+    3. node-local barrier (also proves peers finished the previous round);
+    4. ONE batch pulls, for every local index ``l'`` and node ``m``, entry
+       ``m`` of ``l'``'s slot into this rank's storage at
+       ``dst_offset(rank(m, l'))`` (``l' == l``: from the own slot, the own
+       shard included, so the own shard is cast only once, by the pack).
+    """
+
+    name = "copy_engine"
+    # The own shard is pulled from the own slot in the same batch (a copy-engine
+    # copy), so the caller does not cast it into the storage with a kernel.
+    writes_own_shard = True
+
+    def __init__(self, slots: SymmSlots) -> None:
+        self.slots = slots
+        self._global_ranks: dict[tuple[int, int], int] = {}
+
+    def _global(self, group: dist.ProcessGroup, group_rank: int) -> int:
+        key = (id(group), group_rank)
+        if key not in self._global_ranks:
+            self._global_ranks[key] = dist.get_global_rank(group, group_rank)
+        return self._global_ranks[key]
+
+    def gather(
+        self,
+        plan: GroupPlan,
+        inputs: list[torch.Tensor],
+        outputs: list[torch.Tensor],
+        group: dist.ProcessGroup,
+    ) -> dist.Work | None:
+        slots, layout, rank = self.slots, plan.layout, plan.rank
+        node = layout.node_of(rank)
+        num_nodes, lws = layout.num_nodes, layout.local_world_size
+        base = (slots.round % 2) * slots.slot_bytes
+        slots.round += 1
+        nbytes = [p.shard_numel * o.element_size() for p, o in zip(plan.params, outputs)]
+        param_offs, entry_bytes = [], 0
+        for n in nbytes:
+            param_offs.append(entry_bytes)
+            entry_bytes += (n + 15) // 16 * 16
+        if num_nodes * entry_bytes > slots.slot_bytes:
+            raise AssertionError(
+                f"TIDE symmetric slot too small: {num_nodes} x {entry_bytes} > {slots.slot_bytes}"
+            )
+
+        def entry(m: int) -> int:
+            return base + m * entry_bytes
+
+        # 1. pack: cast once into this rank's entry.
+        packed = [
+            slots.buffer.narrow(0, entry(node) + off, n).view(o.dtype)
+            for off, n, o in zip(param_offs, nbytes, outputs)
+        ]
+        torch._foreach_copy_(packed, inputs)
+        # 2. cross-node phase: whole node entries, one message per run.
+        for ex in plan.exchanges:
+            ops = [
+                dist.P2POp(
+                    dist.isend,
+                    slots.buffer.narrow(0, entry(m), k * entry_bytes),
+                    self._global(group, ex.send_peer),
+                    group,
+                )
+                for m, k in _runs([layout.node_of(r) for r in ex.send_ranks])
+            ] + [
+                dist.P2POp(
+                    dist.irecv,
+                    slots.buffer.narrow(0, entry(m), k * entry_bytes),
+                    self._global(group, ex.recv_peer),
+                    group,
+                )
+                for m, k in _runs([layout.node_of(r) for r in ex.recv_ranks])
+            ]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        # 3. local peers packed/received round r and finished pulling round r - 1.
+        slots.handle.barrier(channel=0)
+        # 4. pull every (local index, node, param) shard, the own one included
+        # (from the own slot: a copy-engine copy instead of a second cast kernel).
+        sources = [(lp, m) for lp in range(lws) for m in range(num_nodes)]
+        dsts, srcs, sizes, src_devs = [], [], [], []
+        for lp, m in sources:
+            src_rank = layout.rank_of(m, lp)
+            for p, out, off, n in zip(plan.params, outputs, param_offs, nbytes):
+                if n == 0:
+                    continue
+                dsts.append(out.data_ptr() + p.dst_offset(src_rank) * out.element_size())
+                srcs.append(slots.peer_ptrs[lp] + entry(m) + off)
+                sizes.append(n)
+                src_devs.append(slots.peer_devices[lp])
+        if not dsts:
+            return None
+        if outputs[0].device.type == "cuda" and _batch_state["disabled_reason"] is None:
+            try:
+                batch_copy(
+                    dsts, srcs, sizes, src_devs, outputs[0].device.index,
+                    torch.cuda.current_stream(outputs[0].device),
+                )  # fmt: skip
+                if not _batch_state["logged"]:
+                    logger.info("TIDE-AG copy engine: cudaMemcpyBatchAsync, %d copies", len(dsts))
+                    _batch_state["logged"] = True
+                return None
+            except Exception as e:  # noqa: BLE001 - ImportError or CUDA error
+                _batch_state["disabled_reason"] = f"{type(e).__name__}: {e}"
+                logger.warning(
+                    "TIDE-AG copy engine: cudaMemcpyBatchAsync unavailable (%s); "
+                    "falling back to one copy_ per shard (slower submission)",
+                    _batch_state["disabled_reason"],
+                )
+        # Fallback (and the CPU test path with shared-memory slots): one copy_
+        # per (source, parameter), each a cudaMemcpyAsync on CUDA.
+        for lp, m in sources:
+            src_rank = layout.rank_of(m, lp)
+            peer_buf = slots.peer_bufs[lp]
+            for p, out, off, n in zip(plan.params, outputs, param_offs, nbytes):
+                if n == 0:
+                    continue
+                src = peer_buf.narrow(0, entry(m) + off, n).view(out.dtype)
+                out.narrow(0, p.dst_offset(src_rank), p.shard_numel).copy_(src)
+        return None
