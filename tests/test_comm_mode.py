@@ -1,15 +1,14 @@
 """apply_comm_mode: named errors for modes that cannot run, force-sum on gloo, logging."""
 
 import pytest
-import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from train_helpers import free_port
 
 from torchtitan_tide.config import Tide
-from torchtitan_tide.train_specs import apply_comm_mode, CommModeError, unavailable_reason
-from train_helpers import free_port
+from torchtitan_tide.train_specs import CommModeError, apply_comm_mode, unavailable_reason
 
 
 @pytest.fixture

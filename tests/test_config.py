@@ -3,9 +3,9 @@
 import pytest
 
 from torchtitan_tide.config import (
-    check_config_file,
     Tide,
     TideConfigError,
+    check_config_file,
     validate_tide_table,
 )
 

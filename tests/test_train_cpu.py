@@ -4,7 +4,6 @@ import math
 import shutil
 
 import pytest
-
 from train_helpers import losses, read_metrics, train
 
 pytestmark = pytest.mark.slow

@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from torchtitan_tide.config import check_config_file, load_toml, Tide, validate_tide_table
+from torchtitan_tide.config import Tide, check_config_file, load_toml, validate_tide_table
 
 REPO_CONFIG_DIR = Path(__file__).resolve().parents[1] / "train_configs"
 DEFAULT_CPU_PROCESSES = 2

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torchtitan.components.metrics import (
     BaseLogger,
-    build_metrics_processor,
     LoggerContainer,
     MetricsProcessor,
+    build_metrics_processor,
 )
 
 METRICS_FILE = "metrics.jsonl"

@@ -77,7 +77,8 @@ def prepare(args: list[str]) -> str:
 def main() -> None:
     device_type = prepare(sys.argv[1:])
     from torchtitan.tools.logging import init_logger, logger
-    from torchtitan.train import main as titan_main, Trainer
+    from torchtitan.train import Trainer
+    from torchtitan.train import main as titan_main
 
     from torchtitan_tide.train_specs import nccl_version_string
 

@@ -13,12 +13,12 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torchtitan.components.tokenizer import build_hf_tokenizer, HuggingFaceTokenizer
+from torchtitan.components.tokenizer import HuggingFaceTokenizer, build_hf_tokenizer
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
-from torchtitan.protocols.train_spec import get_train_spec, register_train_spec, TrainSpec
+from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 from torchtitan.tools.logging import logger
 
 from torchtitan_tide.config import Tide

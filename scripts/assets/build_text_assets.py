@@ -21,7 +21,7 @@ SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"]
 
 
 def write_text(out_path: Path) -> list[str]:
-    import pydoc_data.topics as topics
+    from pydoc_data import topics
 
     docs = [topics.topics[name].strip() for name in sorted(topics.topics)]
     docs = [doc for doc in docs if len(doc) > 200]

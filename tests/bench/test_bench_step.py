@@ -5,7 +5,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
 
-import bench_step  # noqa: E402
+import bench_step
 
 
 def record(step: int, seconds: float, loss: float, peak: float) -> dict:

@@ -30,7 +30,18 @@ import torch.distributed as dist
 
 from ..plan import GroupPlan
 
-__all__ = ["AllGatherTransport"]
+__all__ = ["AllGatherTransport", "global_rank"]
+
+_GLOBAL_RANKS: dict[tuple[int, int], int] = {}
+
+
+def global_rank(group: dist.ProcessGroup, group_rank: int) -> int:
+    """``dist.get_global_rank(group, group_rank)``, cached: point-to-point calls take
+    global ranks, and the lookup is on every all-gather's path."""
+    key = (id(group), group_rank)
+    if key not in _GLOBAL_RANKS:
+        _GLOBAL_RANKS[key] = dist.get_global_rank(group, group_rank)
+    return _GLOBAL_RANKS[key]
 
 
 class AllGatherTransport(Protocol):

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..plan import GroupPlan
+from . import global_rank
 
 __all__ = ["CopyEngineTransport", "SymmSlots", "batch_copy"]
 
@@ -176,13 +177,6 @@ class CopyEngineTransport:
 
     def __init__(self, slots: SymmSlots) -> None:
         self.slots = slots
-        self._global_ranks: dict[tuple[int, int], int] = {}
-
-    def _global(self, group: dist.ProcessGroup, group_rank: int) -> int:
-        key = (id(group), group_rank)
-        if key not in self._global_ranks:
-            self._global_ranks[key] = dist.get_global_rank(group, group_rank)
-        return self._global_ranks[key]
 
     def gather(
         self,
@@ -221,7 +215,7 @@ class CopyEngineTransport:
                 dist.P2POp(
                     dist.isend,
                     slots.buffer.narrow(0, entry(m), k * entry_bytes),
-                    self._global(group, ex.send_peer),
+                    global_rank(group, ex.send_peer),
                     group,
                 )
                 for m, k in _runs([layout.node_of(r) for r in ex.send_ranks])
@@ -229,7 +223,7 @@ class CopyEngineTransport:
                 dist.P2POp(
                     dist.irecv,
                     slots.buffer.narrow(0, entry(m), k * entry_bytes),
-                    self._global(group, ex.recv_peer),
+                    global_rank(group, ex.recv_peer),
                     group,
                 )
                 for m, k in _runs([layout.node_of(r) for r in ex.recv_ranks])

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..plan import Chunk, GroupPlan, chunks_for_ranks, pace_chunks
+from . import global_rank
 
 __all__ = ["P2PTransport"]
 
@@ -32,13 +33,6 @@ class P2PTransport:
     def __init__(self, name: str, pacing: int = 0) -> None:
         self.name = name
         self.pacing = pacing
-        self._global_rank_cache: dict[tuple[int, int], int] = {}
-
-    def _global(self, group: dist.ProcessGroup, group_rank: int) -> int:
-        key = (id(group), group_rank)
-        if key not in self._global_rank_cache:
-            self._global_rank_cache[key] = dist.get_global_rank(group, group_rank)
-        return self._global_rank_cache[key]
 
     def gather(
         self,
@@ -51,8 +45,8 @@ class P2PTransport:
         for ex in plan.exchanges:
             send_waves = pace_chunks(chunks_for_ranks(plan.params, ex.send_ranks), self.pacing)
             recv_waves = pace_chunks(chunks_for_ranks(plan.params, ex.recv_ranks), self.pacing)
-            send_peer = self._global(group, ex.send_peer)
-            recv_peer = self._global(group, ex.recv_peer)
+            send_peer = global_rank(group, ex.send_peer)
+            recv_peer = global_rank(group, ex.recv_peer)
             for i in range(max(len(send_waves), len(recv_waves))):
                 ops: list[dist.P2POp] = []
                 for c in send_waves[i] if i < len(send_waves) else ():
