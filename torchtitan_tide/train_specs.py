@@ -155,7 +155,18 @@ def _llama3() -> TrainSpec:
 
 
 def _qwen3() -> TrainSpec:
-    return _with_reduced_depth(get_train_spec("qwen3"), "30B-A3B", 4)
+    spec = _with_reduced_depth(get_train_spec("qwen3"), "30B-A3B", 4)
+    # CPU-sized MoE: 2 layers, 8 experts top-2, experts as a for-loop of fp32 matmuls
+    # (the grouped-mm path casts to bf16, ~20x slower than fp32 on CPUs without bf16 units).
+    moe = spec.model_args["debugmodel_moe"]
+    small = dataclasses.replace(
+        moe,
+        n_layers=2,
+        moe_args=dataclasses.replace(moe.moe_args, num_experts=8, top_k=2, use_grouped_mm=False),
+    )
+    return dataclasses.replace(
+        spec, model_args={**spec.model_args, "debugmodel_moe_2layers": small}
+    )
 
 
 def _wan22() -> TrainSpec:
