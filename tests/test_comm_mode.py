@@ -31,7 +31,7 @@ def sharded_model(mesh) -> nn.Module:
 def test_fsdp2_sets_force_sum_on_gloo(gloo_world_of_one, caplog):
     model = sharded_model(gloo_world_of_one)
     with caplog.at_level("INFO"):
-        assert apply_comm_mode(model, Tide(comm="fsdp2"), None) == "fsdp2"
+        assert apply_comm_mode(model, Tide(comm="fsdp2")) == "fsdp2"
     assert "comm mode 'fsdp2' on 3 FSDP modules (backend gloo" in caplog.text
     for module in model.modules():
         if hasattr(module, "_get_fsdp_state"):
@@ -42,18 +42,18 @@ def test_fsdp2_sets_force_sum_on_gloo(gloo_world_of_one, caplog):
 def test_symm_mem_is_a_named_error_until_it_lands(gloo_world_of_one):
     model = sharded_model(gloo_world_of_one)
     with pytest.raises(CommModeError, match="'symm_mem' is not available.*issue 5"):
-        apply_comm_mode(model, Tide(comm="symm_mem", fallback="fsdp2"), None)
+        apply_comm_mode(model, Tide(comm="symm_mem", fallback="fsdp2"))
 
 
 def test_tide_needs_fsdp(gloo_world_of_one):
     with pytest.raises(CommModeError, match="needs FSDP"):
-        apply_comm_mode(nn.Linear(4, 4), Tide(comm="tide"), None)
+        apply_comm_mode(nn.Linear(4, 4), Tide(comm="tide"))
 
 
 def test_options_of_other_modes_are_reported_not_dropped(gloo_world_of_one, caplog):
     model = sharded_model(gloo_world_of_one)
     with caplog.at_level("WARNING"):
-        apply_comm_mode(model, Tide(comm="fsdp2", ag_pacing=4), None)
+        apply_comm_mode(model, Tide(comm="fsdp2", ag_pacing=4))
     assert "['ag_pacing'] only apply to comm = 'tide'" in caplog.text
 
 

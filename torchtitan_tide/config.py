@@ -146,7 +146,11 @@ def load_toml(path: str) -> dict[str, Any]:
 
 def check_config_file(path: str) -> Tide:
     """Validate the ``[tide]`` table and the custom_config_module of a training TOML."""
-    table = load_toml(path)
+    return check_config_table(load_toml(path), path)
+
+
+def check_config_table(table: dict[str, Any], path: str) -> Tide:
+    """:func:`check_config_file` for an already parsed TOML ``table`` read from ``path``."""
     if "tide" in table:
         custom_module = table.get("job", {}).get("custom_config_module")
         if custom_module != "torchtitan_tide.config":

@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from torchtitan_tide.config import Tide, check_config_file, load_toml, validate_tide_table
+from torchtitan_tide.config import Tide, check_config_table, load_toml, validate_tide_table
 
 REPO_CONFIG_DIR = Path(__file__).resolve().parents[1] / "train_configs"
 DEFAULT_CPU_PROCESSES = 2
@@ -118,10 +118,10 @@ def override_values(overrides: list[str]) -> dict[str, str]:
     return values
 
 
-def effective_tide(config_path: Path, overrides: dict[str, str]) -> Tide:
-    """The ``[tide]`` options after CLI overrides, validated."""
-    check_config_file(str(config_path))
-    table = dict(load_toml(str(config_path)).get("tide", {}))
+def effective_tide(config_path: Path, config: dict, overrides: dict[str, str]) -> Tide:
+    """The ``[tide]`` options of the parsed TOML ``config`` after CLI overrides, validated."""
+    check_config_table(config, str(config_path))
+    table = dict(config.get("tide", {}))
     types = {f.name: f.type for f in fields(Tide)}
     for key, value in overrides.items():
         section, _, name = key.partition(".")
@@ -241,7 +241,7 @@ def summary(config_path: Path, world: World, overrides: list[str]) -> str:
     table = load_toml(str(config_path))
     model = table.get("model", {})
     par = table.get("parallelism", {})
-    tide = effective_tide(config_path, values)
+    tide = effective_tide(config_path, table, values)
 
     def pick(section: dict, section_name: str, key: str, default):
         return values.get(f"{section_name}.{key}", section.get(key, default))

@@ -21,15 +21,12 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 from torchtitan.tools.logging import logger
 
+from torchtitan_tide import comm
 from torchtitan_tide.config import Tide
 from torchtitan_tide.data import register_dataset, resolve_asset_path
 from torchtitan_tide.metrics import build_metrics_processor_with_jsonl
 
 ParallelizeFn = Callable[[nn.Module, ParallelDims, JobConfig], nn.Module]
-
-# Modes whose implementation has landed; the others fail with the issue that adds them.
-IMPLEMENTED_MODES = {"fsdp2": None, "symm_mem": "issue 5 (the symm_mem baseline)", "tide": None}
-
 
 class CommModeError(RuntimeError):
     """``[tide] comm`` cannot run here; the message says why and what to change."""
@@ -49,7 +46,7 @@ def unavailable_reason(mode: str, backend: str) -> str | None:
     return None
 
 
-def apply_comm_mode(model: nn.Module, tide: Tide, parallel_dims: ParallelDims) -> str:
+def apply_comm_mode(model: nn.Module, tide: Tide) -> str:
     """Switch every FSDP module of ``model`` to ``tide.comm``; return the mode in effect.
 
     Logs the path taken on every rank. On gloo (CPU) FSDP2's gradient reduction is
@@ -64,10 +61,9 @@ def apply_comm_mode(model: nn.Module, tide: Tide, parallel_dims: ParallelDims) -
     rank = dist.get_rank()
     backend = str(dist.get_backend())
     modules = fsdp_modules(model)
-    if IMPLEMENTED_MODES[mode] is not None:
+    if (missing := comm.missing_reason(mode)) is not None:
         raise CommModeError(
-            f"[tide] comm = {mode!r} is not available in this version: it arrives with "
-            f"{IMPLEMENTED_MODES[mode]}. Use comm = 'fsdp2' or 'tide'."
+            f"[tide] comm = {mode!r}: {missing}. Use comm = 'fsdp2' or 'tide'."
         )
     if mode != "fsdp2" and not modules:
         raise CommModeError(
@@ -89,8 +85,6 @@ def apply_comm_mode(model: nn.Module, tide: Tide, parallel_dims: ParallelDims) -
             module.set_force_sum_reduction_for_comms(True)
 
     if mode == "tide":
-        from torchtitan_tide import comm
-
         comm.apply(model, mode="tide", **tide.comm_options())
     logger.info(
         f"[rank {rank}] comm mode {mode!r} on {len(modules)} FSDP modules "
@@ -117,7 +111,7 @@ def wrap_parallelize(parallelize_fn: ParallelizeFn) -> ParallelizeFn:
         model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig
     ) -> nn.Module:
         model = parallelize_fn(model, parallel_dims, job_config)
-        apply_comm_mode(model, job_config.tide, parallel_dims)
+        apply_comm_mode(model, job_config.tide)
         return model
 
     return parallelize_with_comm_mode
@@ -141,13 +135,16 @@ def tide_spec(base: TrainSpec) -> TrainSpec:
     )
 
 
+def _with_flavor(spec: TrainSpec, name: str, args) -> TrainSpec:
+    """``spec`` with one more model flavor (TorchTitan's own flavors stay untouched)."""
+    return dataclasses.replace(spec, model_args={**spec.model_args, name: args})
+
+
 def _with_reduced_depth(spec: TrainSpec, flavor: str, n_layers: int) -> TrainSpec:
     """Add flavor ``{flavor}_{n_layers}layers``: full width, ``n_layers`` blocks (configs
     that fit a 2-GPU machine yet keep the per-layer FSDP group sizes of the full model)."""
     reduced = dataclasses.replace(spec.model_args[flavor], n_layers=n_layers)
-    return dataclasses.replace(
-        spec, model_args={**spec.model_args, f"{flavor}_{n_layers}layers": reduced}
-    )
+    return _with_flavor(spec, f"{flavor}_{n_layers}layers", reduced)
 
 
 def _llama3() -> TrainSpec:
@@ -164,9 +161,7 @@ def _qwen3() -> TrainSpec:
         n_layers=2,
         moe_args=dataclasses.replace(moe.moe_args, num_experts=8, top_k=2, use_grouped_mm=False),
     )
-    return dataclasses.replace(
-        spec, model_args={**spec.model_args, "debugmodel_moe_2layers": small}
-    )
+    return _with_flavor(spec, "debugmodel_moe_2layers", small)
 
 
 def _wan22() -> TrainSpec:

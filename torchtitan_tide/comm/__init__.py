@@ -18,7 +18,14 @@ from torch import nn
 from . import fsdp_patch
 from .options import TideAGOptions
 
-__all__ = ["TideAGOptions", "apply", "available_modes", "register_mode", "remove"]
+__all__ = [
+    "TideAGOptions",
+    "apply",
+    "available_modes",
+    "missing_reason",
+    "register_mode",
+    "remove",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +63,11 @@ def register_mode(name: str, apply_fn: ApplyFn, remove_fn: RemoveFn) -> None:
     _MODES[name] = (apply_fn, remove_fn)
 
 
+def missing_reason(mode: str) -> str | None:
+    """Why a known ``mode`` is not built yet (it is planned, not registered); else None."""
+    return None if mode in _MODES else _PLANNED.get(mode)
+
+
 def available_modes() -> tuple[str, ...]:
     return tuple(sorted(set(_MODES) | set(_PLANNED)))
 
@@ -65,8 +77,8 @@ def apply(model: nn.Module, mode: str = "tide", **options: object) -> None:
     to ``mode``. Call on every rank, in the same order, before the first
     forward or between steps (never while an all-gather is pending)."""
     if mode not in _MODES:
-        if mode in _PLANNED:
-            raise NotImplementedError(_PLANNED[mode])
+        if (reason := missing_reason(mode)) is not None:
+            raise NotImplementedError(reason)
         raise ValueError(f"unknown comm mode {mode!r}; choose one of {available_modes()}")
     current = getattr(model, _MODE_ATTR, None)
     if current is not None and current != "fsdp2":
