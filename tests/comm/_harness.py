@@ -5,9 +5,13 @@
 NCCL on CUDA with one GPU per rank). An assertion in any rank fails the test.
 
 ``run_parity(...)`` trains two identical small models in lockstep, one with
-stock FSDP2 and one with TIDE-AG, and asserts losses and parameter shards are
-bitwise identical after every step, with NaN poisoning of the unsharded
-storage before every TIDE all-gather and a check that no NaN is left after.
+stock FSDP2 and one with TIDE (TIDE-AG, plus TIDE-RS unless the options say
+``reduce_scatter="fsdp2"``), and asserts losses and parameter shards are
+bitwise identical after every step (``tolerance=0``) or within ``tolerance``
+relative (TIDE-RS sums in another order than the backend's reduce-scatter when
+more than two ranks add up), with NaN poisoning of the unsharded storage
+before every TIDE all-gather and of every TIDE-RS output before it is
+written, and a check that no NaN is left after.
 """
 
 from __future__ import annotations
@@ -165,6 +169,7 @@ def run_parity(
     tide_options: dict,
     post_apply=None,
     sync_check: bool = True,
+    tolerance: float = 0.0,
 ) -> None:
     """Stock vs TIDE parity (see module docstring). ``post_apply(model)`` runs
     after ``comm.apply`` (white-box tests swap transports there).
@@ -173,6 +178,8 @@ def run_parity(
     hidden by synchronization; unwritten elements then show up as NaN losses."""
     from torchtitan_tide import comm
     from torchtitan_tide.comm import all_gather as tide_ag
+    from torchtitan_tide.comm import fsdp_patch
+    from torchtitan_tide.comm import reduce_scatter as tide_rs
 
     device = (
         torch.device("cuda", torch.cuda.current_device())
@@ -190,7 +197,14 @@ def run_parity(
         for o in outputs:
             assert not torch.isnan(o).any().item(), "TIDE-AG left an element unwritten"
 
+    def same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+        if tolerance == 0.0:
+            assert torch.equal(a, b), what
+        else:
+            torch.testing.assert_close(b, a, rtol=tolerance, atol=tolerance, msg=what)
+
     tide_ag.set_debug_hooks(before=poison, after=check if sync_check else None)
+    tide_rs.set_poison(float("nan"))
     try:
         for scn in scenarios:
             ref, tide = build(scn, device), build(scn, device)
@@ -211,11 +225,22 @@ def run_parity(
                 ]
                 l_ref = _step(ref, opt_ref, batches, scn)
                 l_tide = _step(tide, opt_tide, batches, scn)
-                assert torch.equal(l_ref, l_tide), f"[{scn}] step {step} loss {l_ref} != {l_tide}"
+                same(l_ref, l_tide, f"[{scn}] step {step} loss {l_ref} != {l_tide}")
                 for (n, p_ref), p_tide in zip(ref.named_parameters(), tide.parameters()):
                     a, b = p_ref.to_local(), p_tide.to_local()
-                    assert torch.equal(a, b), f"[{scn}] step {step} param {n} differs"
+                    assert not torch.isnan(b).any(), f"[{scn}] step {step} param {n} has NaN"
+                    same(a, b, f"[{scn}] step {step} param {n} differs")
             assert calls["n"] > before, f"[{scn}] TIDE-AG was never used"
+            rs_calls = [
+                getattr(g, "_tide_rs_state").calls
+                for _, g in fsdp_patch.fsdp_param_groups(tide)
+                if hasattr(g, "_tide_rs_state")
+            ]
+            if tide_options.get("reduce_scatter", "tide") == "tide":
+                assert rs_calls and min(rs_calls) > 0, f"[{scn}] TIDE-RS not used: {rs_calls}"
+            else:
+                assert not rs_calls, f"[{scn}] TIDE-RS installed with reduce_scatter='fsdp2'"
             comm.remove(tide)
     finally:
         tide_ag.set_debug_hooks()
+        tide_rs.set_poison(None)

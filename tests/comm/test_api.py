@@ -7,7 +7,7 @@ from _harness import Scenario, TinyModel, build, spawn
 from torch import nn
 
 from torchtitan_tide import comm
-from torchtitan_tide.comm import TideAGOptions
+from torchtitan_tide.comm import TideOptions
 from torchtitan_tide.comm.options import resolve_local_world_size
 
 
@@ -47,21 +47,21 @@ def test_register_mode():
 
 def test_options_validation():
     with pytest.raises(ValueError, match="transport='nvls'"):
-        TideAGOptions(transport="nvls")
+        TideOptions(transport="nvls")
     with pytest.raises(ValueError, match="local_world_size=0"):
-        TideAGOptions(local_world_size=0)
+        TideOptions(local_world_size=0)
     with pytest.raises(ValueError, match="pacing=-1"):
-        TideAGOptions(pacing=-1)
+        TideOptions(pacing=-1)
     with pytest.raises(ValueError, match=r"unknown tide option\(s\) \['pace'\]"):
-        TideAGOptions.from_kwargs(pace=2)
+        TideOptions.from_kwargs(pace=2)
     with pytest.raises(ValueError, match="must divide the FSDP group size 4"):
-        resolve_local_world_size(TideAGOptions(local_world_size=3), ["a"] * 4)
-    assert resolve_local_world_size(TideAGOptions(local_world_size=2), ["a"] * 4)[0] == 2
-    assert resolve_local_world_size(TideAGOptions(), ["a"] * 4)[0] == 4
-    assert resolve_local_world_size(TideAGOptions(), ["a"] * 8 + ["b"] * 8)[0] == 8
+        resolve_local_world_size(TideOptions(local_world_size=3), ["a"] * 4)
+    assert resolve_local_world_size(TideOptions(local_world_size=2), ["a"] * 4)[0] == 2
+    assert resolve_local_world_size(TideOptions(), ["a"] * 4)[0] == 4
+    assert resolve_local_world_size(TideOptions(), ["a"] * 8 + ["b"] * 8)[0] == 8
     # Strided across hosts (TP inside the node) or uneven: one rank per node.
-    assert resolve_local_world_size(TideAGOptions(), ["a", "b", "a", "b"])[0] == 1
-    assert resolve_local_world_size(TideAGOptions(), ["a", "a", "b"])[0] == 1
+    assert resolve_local_world_size(TideOptions(), ["a", "b", "a", "b"])[0] == 1
+    assert resolve_local_world_size(TideOptions(), ["a", "a", "b"])[0] == 1
 
 
 def _remove_and_fallback(rank: int, world_size: int) -> None:

@@ -4,7 +4,7 @@
 ``fully_shard`` (inside or outside TorchTitan); ``remove(model)`` undoes it.
 
 Modes: ``"fsdp2"`` (stock, no-op), ``"tide"`` (TIDE-AG: zero-copy all-gather
-into per-parameter storage; options in :class:`TideAGOptions`) and
+into per-parameter storage; options in :class:`TideOptions`) and
 ``"symm_mem"`` (registered by its own module, see :func:`register_mode`).
 """
 
@@ -16,10 +16,10 @@ from collections.abc import Callable
 from torch import nn
 
 from . import fsdp_patch
-from .options import TideAGOptions
+from .options import TideOptions
 
 __all__ = [
-    "TideAGOptions",
+    "TideOptions",
     "apply",
     "available_modes",
     "missing_reason",
@@ -45,7 +45,7 @@ def _remove_fsdp2(model: nn.Module) -> None:
 
 
 def _apply_tide(model: nn.Module, **options: object) -> None:
-    fsdp_patch.install(model, TideAGOptions.from_kwargs(**options))
+    fsdp_patch.install(model, TideOptions.from_kwargs(**options))
 
 
 # mode -> (apply_fn, remove_fn); other modules add modes with register_mode.

@@ -1,15 +1,20 @@
 """The ONLY module that touches FSDP2 internals (torch 2.11 - 2.13).
 
-Why rebinding names: ``_fsdp_param_group`` imports ``foreach_all_gather`` and
-``foreach_all_gather_copy_out`` by name, so FSDPParamGroup.unshard /
-wait_for_unshard call whatever those module globals are. The public hooks
-(``set_custom_all_gather``) only see FSDP's flat buffer and cannot remove the
-copy-in/copy-out. We rebind the two globals to dispatching wrappers:
+Why rebinding names: ``_fsdp_param_group`` imports ``foreach_all_gather``,
+``foreach_all_gather_copy_out`` and ``foreach_reduce`` by name, so
+FSDPParamGroup.unshard / wait_for_unshard / post_backward call whatever those
+module globals are. The public hooks (``set_custom_all_gather``,
+``set_custom_reduce_scatter``) only see FSDP's flat buffers and cannot remove
+the copy-in, copy-out or ``chunk_cat``. We rebind the three globals to
+dispatching wrappers:
 
 - a group marked by :func:`install` (``param_group._tide_ag_state``) in the
   sharded state and called with the group the plan was built for goes to
   TIDE-AG; every other call (unmarked groups, other models, the post-forward
   mesh of ``reshard_after_forward=int``) goes to the original function;
+- a reduce of a group marked ``param_group._tide_rs_state`` on the group's
+  reduce-scatter process group goes to TIDE-RS unless its dtypes need FSDP2's
+  path (``reduce_scatter.rs_unsupported_reason``: logged once per group);
 - the wrappers are installed once (refcounted per model) and the originals
   restored when the last model is removed.
 
@@ -18,11 +23,14 @@ so prefetching, resharding and FSDP's stream/event protocol stay FSDP2's.
 
 Version differences handled here: 2.13 keeps a list ``state._fsdp_param_groups``
 (2.11: one ``state._fsdp_param_group``); extra positional/keyword arguments of
-``foreach_all_gather`` (e.g. a label suffix) are passed through.
+``foreach_all_gather`` (e.g. a label suffix) are passed through;
+``foreach_reduce`` returns 7 values on 2.13 (with ``post_reduce_stream``) and
+6 on 2.11 (``_REDUCE_RETURNS_STREAM``, read from its annotation).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import socket
 import weakref
@@ -35,14 +43,17 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
+from . import kernels
 from .all_gather import (
     TideAllGatherResult,
     TideGroupState,
+    _tide_stream,
     tide_all_gather,
     tide_all_gather_copy_out,
 )
-from .options import TideAGOptions, resolve_local_world_size
+from .options import TideOptions, resolve_local_world_size
 from .plan import ParamSpec, WorldLayout, build_group_plan
+from .reduce_scatter import RSBuffers, TideRSState, rs_unsupported_reason, tide_reduce
 from .transport import AllGatherTransport
 from .transport.copy_engine import CopyEngineTransport, SymmSlots
 from .transport.p2p import P2PTransport
@@ -53,12 +64,18 @@ logger = logging.getLogger(__name__)
 
 _MODEL_ATTR = "_tide_ag_installed"
 _GROUP_ATTR = "_tide_ag_state"
-_PATCHED_NAMES = ("foreach_all_gather", "foreach_all_gather_copy_out")
+_RS_ATTR = "_tide_rs_state"
+_PATCHED_NAMES = ("foreach_all_gather", "foreach_all_gather_copy_out", "foreach_reduce")
 _originals: dict[str, object] = {}
 _refcount = 0
 # id(param_group.fsdp_params) -> weakref(param_group): the wrappers only see
 # FSDP's ``fsdp_params`` list, so this finds the group (identity re-checked).
 _groups_by_params: dict[int, weakref.ref] = {}
+# id(FSDPParam) -> weakref(param_group): foreach_reduce gets a new list of
+# the group's parameters that have gradients.
+_groups_by_param: dict[int, weakref.ref] = {}
+_REDUCE_RETURNS_STREAM = "Stream" in str(inspect.signature(_fpg.foreach_reduce).return_annotation)
+_REDUCE_SIGNATURE = inspect.signature(_fpg.foreach_reduce)
 
 
 @dataclass
@@ -124,6 +141,16 @@ def _packed_bytes(param_group) -> int:
     return total
 
 
+def _shard_bytes(param_group) -> int:
+    """Bytes of one rank's gradient shard of a group in the gradient dtype (=
+    the all-gather dtype: FSDP2 computes gradients in ``param_dtype``): one
+    TIDE-RS staging row."""
+    return sum(
+        fp._sharded_param_data.numel() * _ag_dtype(fp, param_group.mp_policy).itemsize
+        for fp in param_group.fsdp_params
+    )
+
+
 def _one_node_p2p_ok(device: torch.device) -> tuple[bool, str]:
     if device.type != "cuda":
         return False, "not CUDA"
@@ -136,7 +163,7 @@ def _one_node_p2p_ok(device: torch.device) -> tuple[bool, str]:
 
 
 def _choose_transport(
-    options: TideAGOptions, layout: WorldLayout, device: torch.device, backend: str
+    options: TideOptions, layout: WorldLayout, device: torch.device, backend: str
 ) -> tuple[str, str]:
     """(transport kind "copy_engine" | "p2p", reason). Raises ValueError for a
     forced transport that cannot work here."""
@@ -256,9 +283,53 @@ def _foreach_all_gather_copy_out(all_gather_result, fsdp_params, group, *args, *
     )
 
 
+def _rs_state_for(fsdp_params, reduce_scatter_group) -> TideRSState | None:
+    if not fsdp_params:
+        return None
+    ref = _groups_by_param.get(id(fsdp_params[0]))
+    param_group = ref() if ref is not None else None
+    state: TideRSState | None = getattr(param_group, _RS_ATTR, None)
+    if state is None or reduce_scatter_group is not state.group:
+        return None
+    members = {id(fp) for fp in param_group.fsdp_params}
+    if any(id(fp) not in members for fp in fsdp_params):
+        return None
+    return state
+
+
+def _foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, *args, **kwargs):
+    state = _rs_state_for(fsdp_params, reduce_scatter_group)
+    if state is not None:
+        call = _REDUCE_SIGNATURE.bind(
+            fsdp_params, unsharded_grads, reduce_scatter_group, *args, **kwargs
+        )
+        call.apply_defaults()
+        a = call.arguments
+        reason = rs_unsupported_reason(unsharded_grads, a["reduce_dtype"], a["orig_dtype"])
+        if reason is None:
+            device = a["device"]
+            result = tide_reduce(
+                state, fsdp_params, unsharded_grads, a["reduce_scatter_stream"],
+                a["orig_dtype"], device, a["gradient_divide_factor"], a["all_reduce_group"],
+                a["all_reduce_stream"], a["all_reduce_grads"], a["partial_reduce_output"],
+                a["all_reduce_hook"],
+                tide_stream=_tide_stream(device) if device.type == "cuda" else None,
+            )  # fmt: skip
+            if _REDUCE_RETURNS_STREAM:
+                return tuple(result)
+            return (result[0], result[1], *result[3:])
+        if reason not in state.stock_reasons:
+            state.stock_reasons.add(reason)
+            logger.warning("TIDE-RS %s: FSDP2 reduce-scatter for this reduce: %s", state.fqn, reason)
+    return _originals["foreach_reduce"](
+        fsdp_params, unsharded_grads, reduce_scatter_group, *args, **kwargs
+    )
+
+
 _wrappers = {
     "foreach_all_gather": _foreach_all_gather,
     "foreach_all_gather_copy_out": _foreach_all_gather_copy_out,
+    "foreach_reduce": _foreach_reduce,
 }
 
 
@@ -293,8 +364,8 @@ def installed_refcount() -> int:
 # ---------------------------------------------------------------- install
 
 
-def install(model: nn.Module, options: TideAGOptions) -> None:
-    """Mark every FSDP param group of ``model`` for TIDE-AG and install the
+def install(model: nn.Module, options: TideOptions) -> None:
+    """Mark every FSDP param group of ``model`` for TIDE-AG (and TIDE-RS) and install the
     wrappers. Collective when a group uses the copy engine (symmetric-memory
     rendezvous) and for logging: call on all ranks in the same order."""
     if getattr(model, _MODEL_ATTR, None) is not None:
@@ -338,9 +409,12 @@ def install(model: nn.Module, options: TideAGOptions) -> None:
         )
         if kind == "copy_engine":
             ce_groups.setdefault((id(group), device), (layout, []))[1].append(pg)
+    tide_rs = options.reduce_scatter == "tide"
     # One symmetric slot pair per (process group, device) on the node-local
-    # group, sized for the largest group times the node count.
+    # group: TIDE-AG needs the largest group's packed shards times the node
+    # count; with Slot-Reuse TIDE-RS stages its rows in the same slots.
     slots_by_key: dict[tuple[int, torch.device], SymmSlots] = {}
+    rs_slots_by_key: dict[tuple[int, torch.device], SymmSlots] = {}
     for key, (layout, pgs) in ce_groups.items():
         group = pgs[0]._all_gather_process_group
         node_group = _node_local_group(group, layout)
@@ -350,20 +424,79 @@ def install(model: nn.Module, options: TideAGOptions) -> None:
                 "group is a sub-group and torch.distributed.split_group is unavailable; use "
                 "tide option transport='nccl_p2p'"
             )
-        slot_bytes = layout.num_nodes * max(_packed_bytes(pg) for pg in pgs)
-        slots_by_key[key] = SymmSlots.create(slot_bytes, node_group, key[1])
+        ag_bytes = layout.num_nodes * max(_packed_bytes(pg) for pg in pgs)
+        rs_bytes = min(options.rs_rows, layout.local_world_size) * max(
+            _shard_bytes(pg) for pg in pgs
+        )
+        shared = tide_rs and options.slot_reuse
+        slots_by_key[key] = SymmSlots.create(
+            max(ag_bytes, rs_bytes) if shared else ag_bytes, node_group, key[1]
+        )
         record.slots.append(slots_by_key[key])
+        if tide_rs and not shared:
+            rs_slots_by_key[key] = SymmSlots.create(rs_bytes, node_group, key[1])
+            record.slots.append(rs_slots_by_key[key])
+    p2p_by_key: dict[tuple[int, torch.device], P2PTransport] = {}
+    buffers_by_key: dict[tuple[int, torch.device], RSBuffers] = {}
     for fqn, pg, group, device, plan, kind in pending:
+        key = (id(group), device)
         transport: AllGatherTransport
         if kind == "copy_engine":
-            transport = CopyEngineTransport(slots_by_key[(id(group), device)])
+            transport = CopyEngineTransport(slots_by_key[key])
         else:
-            transport = P2PTransport(
-                "nccl_p2p" if device.type == "cuda" else "gloo", options.pacing
-            )
+            if key not in p2p_by_key:
+                p2p_by_key[key] = P2PTransport(
+                    "nccl_p2p" if device.type == "cuda" else "gloo", options.pacing
+                )
+            transport = p2p_by_key[key]
         setattr(pg, _GROUP_ATTR, TideGroupState(plan, transport, group, fqn))
         _groups_by_params[id(pg.fsdp_params)] = weakref.ref(pg)
         record.groups.append(pg)
+        if not tide_rs:
+            decisions.append(f"{fqn}: reduce-scatter FSDP2 (option reduce_scatter='fsdp2')")
+            continue
+        if pg._reduce_scatter_process_group is not group:
+            decisions.append(f"{fqn}: reduce-scatter FSDP2 (all-gather and RS groups differ)")
+            continue
+        shared = kind == "copy_engine" and options.slot_reuse
+        if kind == "copy_engine" and not shared:
+            rs_transport: object = CopyEngineTransport(rs_slots_by_key[key])
+        else:
+            rs_transport = transport
+        layout = plan.layout
+        buffers = buffers_by_key.setdefault(key, RSBuffers(inflight=options.rs_inflight))
+        setattr(
+            pg,
+            _RS_ATTR,
+            TideRSState(
+                layout=layout,
+                rank=plan.rank,
+                group=group,
+                fqn=fqn,
+                transport=rs_transport,
+                buffers=buffers,
+                rows=options.rs_rows,
+                ctas=options.rs_ctas,
+                use_tide_stream=shared,
+            ),
+        )
+        for fp in pg.fsdp_params:
+            _groups_by_param[id(fp)] = weakref.ref(pg)
+        cross = (
+            f"; cross-node p2p over {str(dist.get_backend(group)).lower()}, "
+            f"{options.rs_inflight} partials in flight"
+            if layout.num_nodes > 1
+            else ""
+        )
+        accumulate = (
+            f"{kernels.triton_status()}, {options.rs_ctas} CTAs" if device.type == "cuda" else "torch"
+        )
+        decisions.append(
+            f"{fqn}: TIDE-RS node-local {kind}"
+            + (" (staging in the TIDE-AG slots: Slot-Reuse)" if shared else "")
+            + f", {min(options.rs_rows, layout.local_world_size)} rows per round{cross}; "
+            f"accumulate {accumulate}"
+        )
     _log_decisions(decisions)
     setattr(model, _MODEL_ATTR, record)
     if record.groups:
@@ -405,9 +538,12 @@ def uninstall(model: nn.Module) -> None:
         slots.handle.barrier(channel=0)  # every local peer got here too
         torch.cuda.synchronize(device)
     for pg in record.groups:
-        if hasattr(pg, _GROUP_ATTR):
-            delattr(pg, _GROUP_ATTR)
+        for attr in (_GROUP_ATTR, _RS_ATTR):
+            if hasattr(pg, attr):
+                delattr(pg, attr)
         _groups_by_params.pop(id(pg.fsdp_params), None)
+        for fp in pg.fsdp_params:
+            _groups_by_param.pop(id(fp), None)
     record.slots.clear()  # symmetric buffers are freed with their last reference
     delattr(model, _MODEL_ATTR)
     if record.groups:

@@ -1,17 +1,18 @@
-"""Options of TIDE-AG (the ``[tide]`` TOML section maps onto these fields)."""
+"""Options of TIDE-AG and TIDE-RS (the ``[tide]`` TOML section maps onto these fields)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-__all__ = ["TRANSPORTS", "TideAGOptions", "resolve_local_world_size"]
+__all__ = ["REDUCE_SCATTERS", "TRANSPORTS", "TideOptions", "resolve_local_world_size"]
 
 TRANSPORTS = ("auto", "copy_engine", "nccl_p2p", "gloo")
+REDUCE_SCATTERS = ("tide", "fsdp2")
 
 
 @dataclass(frozen=True)
-class TideAGOptions:
-    """Options of the TIDE all-gather.
+class TideOptions:
+    """Options of the TIDE all-gather (AG) and reduce-scatter (RS).
 
     transport:
         ``"auto"``: the copy engine (peers pull from symmetric memory with one
@@ -36,11 +37,36 @@ class TideAGOptions:
         after wave ``i`` completes. ``0``: a whole step in one batch. It bounds
         the number of outstanding send/recv operations (and NCCL p2p
         channels/fifo slots) per step; it does not affect the copy engine.
+    reduce_scatter:
+        ``"tide"``: TIDE-RS (bf16 gradients read where autograd left them,
+        reduced into fp32 shards; node-local phase on the AG transport, then
+        the cross-node phase over point-to-point). ``"fsdp2"``: keep FSDP2's
+        own reduce-scatter (TIDE-AG only).
+    rs_ctas:
+        Programs (CTAs) of the TIDE-RS accumulate kernel. Few on purpose: it
+        runs beside backward's GEMMs and must not take a wave from them.
+    rs_rows:
+        Source rows per staging slot: how many node-local peers' gradient
+        slices are summed per kernel pass. Buffer = ``rs_rows`` x the largest
+        group's shard; independent of the GPU count.
+    rs_inflight:
+        Cross-node phase: fp32 partials that may wait for the network at once
+        (a ring of buffers). The node-local phase of the next chunk or group
+        waits only when all of them are still in flight.
+    slot_reuse:
+        Copy engine only: TIDE-RS stages gradients in the same symmetric slots
+        as TIDE-AG (one buffer, one protocol on one stream) instead of a
+        buffer of its own.
     """
 
     transport: str = "auto"
     local_world_size: int | None = None
     pacing: int = 0
+    reduce_scatter: str = "tide"
+    rs_ctas: int = 4
+    rs_rows: int = 2
+    rs_inflight: int = 2
+    slot_reuse: bool = True
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -59,9 +85,20 @@ class TideAGOptions:
             raise ValueError(
                 f"tide option pacing={self.pacing!r} must be an int >= 0 (0 = no limit)"
             )
+        if self.reduce_scatter not in REDUCE_SCATTERS:
+            raise ValueError(
+                f"tide option reduce_scatter={self.reduce_scatter!r} is not one of "
+                f"{REDUCE_SCATTERS}; 'fsdp2' keeps FSDP2's reduce-scatter"
+            )
+        for name in ("rs_ctas", "rs_rows", "rs_inflight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"tide option {name}={value!r} must be an int >= 1")
+        if not isinstance(self.slot_reuse, bool):
+            raise ValueError(f"tide option slot_reuse={self.slot_reuse!r} must be True or False")
 
     @classmethod
-    def from_kwargs(cls, **options: object) -> TideAGOptions:
+    def from_kwargs(cls, **options: object) -> TideOptions:
         """Build from ``apply(**options)``; unknown names raise ``ValueError``."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
@@ -70,7 +107,7 @@ class TideAGOptions:
         return cls(**options)  # type: ignore[arg-type]
 
 
-def resolve_local_world_size(options: TideAGOptions, hostnames: list[str]) -> tuple[int, str]:
+def resolve_local_world_size(options: TideOptions, hostnames: list[str]) -> tuple[int, str]:
     """Ranks per node of a group whose rank ``r`` runs on ``hostnames[r]``;
     returns ``(local_world_size, how it was found)``.
 

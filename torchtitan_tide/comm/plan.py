@@ -48,6 +48,8 @@ __all__ = [
     "GroupPlan",
     "ParamPlan",
     "ParamSpec",
+    "RSRound",
+    "RSSegment",
     "WorldLayout",
     "build_group_plan",
     "chunks_for_ranks",
@@ -55,6 +57,9 @@ __all__ = [
     "local_pulls",
     "node_local_exchanges",
     "pace_chunks",
+    "rs_cross_node_peers",
+    "rs_schedule",
+    "rs_segments",
 ]
 
 
@@ -323,3 +328,111 @@ def build_group_plan(
         exchanges=tuple(exchanges),
         dtypes=tuple(sorted({s.dtype for s in specs})),
     )
+
+
+# ---------------------------------------------------------------- TIDE-RS
+#
+# Gradient layout (FSDP2, dim-0 sharding): parameter p's unsharded gradient is
+# flat with ``numel`` elements; rank r owns elements [r * s_p, (r + 1) * s_p)
+# (``s_p`` = padded shard numel), of which ``valid(r)`` exist (the rest is
+# dim-0 padding, zero in FSDP's own reduce-scatter input). Rank r's reduced
+# shard of a group is ONE flat fp32 tensor of ``sum_p s_p`` elements, param p
+# at ``out_offset`` (FSDP's reduce output layout, so FSDP's per-parameter
+# views stay valid). A staging row (one source's slices for one destination)
+# uses the same offsets.
+#
+# Schedule of one rank (n, l) in a world of N nodes x L (``rs_schedule``):
+# chunk m (m = n first, then n+1, n+2, ... mod N) reduces, within node n, the
+# slices destined to ranks (m, l') for every local l'. It runs in windows of
+# ``rows`` source offsets t: in window j rank (n, l) pushes its slice for
+# (m, l + t) to local peer l + t (row t - j * rows) and receives into its own
+# row t - j * rows the slice of local peer l - t for (m, l). Chunk n is summed
+# straight into the output; every other chunk into an fp32 partial that the
+# cross-node phase sends to rank (m, l) (``rs_cross_node_peers``).
+
+
+@dataclass(frozen=True)
+class RSSegment:
+    """One parameter's part of a reduce-scatter: its gradient has ``numel``
+    elements, its padded shard ``shard_numel``, its place in the flat shard
+    (and in every staging row) starts at ``out_offset``."""
+
+    param_index: int
+    numel: int
+    shard_numel: int
+    out_offset: int
+
+    def src_offset(self, dst_rank: int) -> int:
+        """Element offset of ``dst_rank``'s slice in the flat unsharded gradient."""
+        return dst_rank * self.shard_numel
+
+    def valid(self, dst_rank: int) -> int:
+        """Elements of ``dst_rank``'s slice that exist (the rest is padding)."""
+        return max(0, min(self.shard_numel, self.numel - dst_rank * self.shard_numel))
+
+
+def rs_segments(numels: list[int], shard_numels: list[int]) -> tuple[tuple[RSSegment, ...], int]:
+    """Segments of the parameters of one reduce-scatter call and the flat shard
+    numel (sum of padded shard numels)."""
+    if len(numels) != len(shard_numels):
+        raise ValueError(f"{len(numels)} gradients but {len(shard_numels)} shard sizes")
+    segments, offset = [], 0
+    for i, (numel, shard) in enumerate(zip(numels, shard_numels)):
+        segments.append(RSSegment(i, numel, shard, offset))
+        offset += shard
+    return tuple(segments), offset
+
+
+@dataclass(frozen=True)
+class RSRound:
+    """One node-local round of rank (n, l) for chunk ``chunk_node`` = m.
+
+    ``sends``: (local peer l', row): push the slice for rank (m, l') into row
+    ``row`` of l''s staging. ``recvs``: (local peer l', row): row ``row`` of
+    this rank's staging receives l''s slice for rank (m, l). ``first`` /
+    ``last``: first / last window of the chunk."""
+
+    chunk_node: int
+    window: int
+    sends: tuple[tuple[int, int], ...]
+    recvs: tuple[tuple[int, int], ...]
+    first: bool
+    last: bool
+
+
+def rs_schedule(layout: WorldLayout, rank: int, rows: int) -> list[RSRound]:
+    """All node-local rounds of ``rank``, in order (see the section comment)."""
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}")
+    num_nodes, lws = layout.num_nodes, layout.local_world_size
+    node, local = layout.node_of(rank), layout.local_of(rank)
+    rows = min(rows, lws)
+    windows = -(-lws // rows)
+    out: list[RSRound] = []
+    for step in range(num_nodes):
+        chunk = (node + step) % num_nodes
+        for j in range(windows):
+            offsets = range(j * rows, min(lws, (j + 1) * rows))
+            out.append(
+                RSRound(
+                    chunk_node=chunk,
+                    window=j,
+                    sends=tuple(((local + t) % lws, t - j * rows) for t in offsets),
+                    recvs=tuple(((local - t) % lws, t - j * rows) for t in offsets),
+                    first=j == 0,
+                    last=j == windows - 1,
+                )
+            )
+    return out
+
+
+def rs_cross_node_peers(layout: WorldLayout, rank: int, chunk_node: int) -> tuple[int, int]:
+    """Cross-node step for chunk ``chunk_node`` = (n + s) mod N, s > 0: send the
+    partial to rank (chunk_node, l), receive rank (n - s, l)'s partial for this
+    rank. Returns (send_peer, recv_peer) as group ranks."""
+    num_nodes = layout.num_nodes
+    node, local = layout.node_of(rank), layout.local_of(rank)
+    step = (chunk_node - node) % num_nodes
+    if step == 0:
+        raise ValueError("the own node's chunk has no cross-node step")
+    return layout.rank_of(chunk_node, local), layout.rank_of((node - step) % num_nodes, local)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..plan import GroupPlan
+from ..plan import GroupPlan, RSRound, RSSegment, WorldLayout
 from . import global_rank
 
 __all__ = ["CopyEngineTransport", "SymmSlots", "batch_copy"]
@@ -99,36 +99,39 @@ def batch_copy(
     srcs: list[int],
     sizes: list[int],
     src_devices: list[int],
-    dst_device: int,
+    dst_devices: list[int] | int,
     stream: torch.cuda.Stream,
 ) -> None:
     """ONE ``cudaMemcpyBatchAsync`` of device-to-device copies on ``stream``
-    (must not be the legacy default stream). Copies are grouped by source
-    device; one attribute entry per run of equal source device with location
-    hints set, ``srcAccessOrder=Stream`` and ``PreferOverlapWithCompute``.
-    Raises on error (the caller falls back)."""
+    (must not be the legacy default stream). ``dst_devices``: one CUDA device
+    index per copy, or one for all. One attribute entry per run of copies with
+    the same (source, destination) device, with location hints set,
+    ``srcAccessOrder=Stream`` and ``PreferOverlapWithCompute``. Raises on error
+    (the caller falls back). Issued with ``stream``'s device current."""
     cudart = _cudart()
     if stream.cuda_stream == 0:
         raise ValueError("cudaMemcpyBatchAsync rejects the legacy default stream")
+    if isinstance(dst_devices, int):
+        dst_devices = [dst_devices] * len(dsts)
     device_loc = cudart.cudaMemLocationType.cudaMemLocationTypeDevice
     overlap = int(cudart.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute)
     attrs, attrs_idxs, prev = [], [], None
-    for i, dev in enumerate(src_devices):
-        if dev == prev:
+    for i, pair in enumerate(zip(src_devices, dst_devices)):
+        if pair == prev:
             continue
         a = cudart.cudaMemcpyAttributes()
         a.srcAccessOrder = cudart.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
         a.srcLocHint.type = device_loc
-        a.srcLocHint.id = dev
+        a.srcLocHint.id = pair[0]
         a.dstLocHint.type = device_loc
-        a.dstLocHint.id = dst_device
+        a.dstLocHint.id = pair[1]
         a.flags = overlap
         attrs.append(a)
         attrs_idxs.append(i)
-        prev = dev
+        prev = pair
     # cuda-bindings returns (err,) on CUDA 13 and (err, failIdx) on 12.8/12.9;
     # the inputs are the same.
-    with torch.cuda.device(dst_device):
+    with torch.cuda.device(stream.device):
         res = cudart.cudaMemcpyBatchAsync(
             dsts, srcs, sizes, len(dsts), attrs, attrs_idxs, len(attrs), stream.cuda_stream
         )
@@ -145,6 +148,36 @@ def _runs(nodes: list[int]) -> list[tuple[int, int]]:
         else:
             out.append((m, 1))
     return out
+
+
+def _try_batch(
+    device: torch.device,
+    dsts: list[int],
+    srcs: list[int],
+    sizes: list[int],
+    src_devs: list[int],
+    dst_devs: list[int] | int,
+    what: str,
+) -> bool:
+    """Run the copies as ONE ``cudaMemcpyBatchAsync`` on the current stream;
+    False when that path is unavailable (CPU, no cuda-bindings, or it failed
+    once: logged once, then the caller's ``copy_`` loop is used for good)."""
+    if device.type != "cuda" or _batch_state["disabled_reason"] is not None:
+        return False
+    try:
+        batch_copy(dsts, srcs, sizes, src_devs, dst_devs, torch.cuda.current_stream(device))
+    except Exception as e:  # noqa: BLE001 - ImportError or CUDA error
+        _batch_state["disabled_reason"] = f"{type(e).__name__}: {e}"
+        logger.warning(
+            "TIDE copy engine: cudaMemcpyBatchAsync unavailable (%s); "
+            "falling back to one copy_ per shard (slower submission)",
+            _batch_state["disabled_reason"],
+        )
+        return False
+    if not _batch_state["logged"]:
+        logger.info("TIDE copy engine: cudaMemcpyBatchAsync, %d copies (%s)", len(dsts), what)
+        _batch_state["logged"] = True
+    return True
 
 
 class CopyEngineTransport:
@@ -247,23 +280,9 @@ class CopyEngineTransport:
                 src_devs.append(slots.peer_devices[lp])
         if not dsts:
             return None
-        if outputs[0].device.type == "cuda" and _batch_state["disabled_reason"] is None:
-            try:
-                batch_copy(
-                    dsts, srcs, sizes, src_devs, outputs[0].device.index,
-                    torch.cuda.current_stream(outputs[0].device),
-                )  # fmt: skip
-                if not _batch_state["logged"]:
-                    logger.info("TIDE-AG copy engine: cudaMemcpyBatchAsync, %d copies", len(dsts))
-                    _batch_state["logged"] = True
-                return None
-            except Exception as e:  # noqa: BLE001 - ImportError or CUDA error
-                _batch_state["disabled_reason"] = f"{type(e).__name__}: {e}"
-                logger.warning(
-                    "TIDE-AG copy engine: cudaMemcpyBatchAsync unavailable (%s); "
-                    "falling back to one copy_ per shard (slower submission)",
-                    _batch_state["disabled_reason"],
-                )
+        device = outputs[0].device
+        if _try_batch(device, dsts, srcs, sizes, src_devs, device.index or 0, "TIDE-AG pulls"):
+            return None
         # Fallback (and the CPU test path with shared-memory slots): one copy_
         # per (source, parameter), each a cudaMemcpyAsync on CUDA.
         for lp, m in sources:
@@ -275,3 +294,71 @@ class CopyEngineTransport:
                 src = peer_buf.narrow(0, entry(m) + off, n).view(out.dtype)
                 out.narrow(0, p.dst_offset(src_rank), p.shard_numel).copy_(src)
         return None
+
+    # ------------------------------------------------------------ TIDE-RS
+
+    def exchange_rows(
+        self,
+        layout: WorldLayout,
+        rank: int,
+        rnd: RSRound,
+        grads: list[torch.Tensor],
+        segments: tuple[RSSegment, ...],
+        row_numel: int,
+        group: dist.ProcessGroup,
+    ) -> torch.Tensor:
+        """One node-local TIDE-RS round (``plan.rs_schedule``): push this rank's
+        gradient slices straight from ``grads`` (flat, where autograd left
+        them) into the local peers' staging rows, in ONE batch of copy-engine
+        copies, then the node-local barrier. Returns this rank's received rows
+        ``[len(rnd.recvs), row_numel]`` (a view of its slot; valid until the
+        next round on these slots), in the gradients' dtype.
+
+        Slot protocol: the same as the all-gather (round counter shared when
+        the slots are shared): the barrier of round r proves every local peer
+        finished reading slot ``(r - 1) % 2``, and pushes of round r land in
+        slot ``r % 2``, which no peer reads before the barrier of round r."""
+        del group  # node-local only: the slots' handle does the synchronization
+        slots = self.slots
+        dtype, itemsize = grads[0].dtype, grads[0].element_size()
+        rows_used = len(rnd.recvs)
+        if rows_used * row_numel * itemsize > slots.slot_bytes:
+            raise AssertionError(
+                f"TIDE-RS staging too small: {rows_used} x {row_numel} x {itemsize} B "
+                f"> {slots.slot_bytes} B"
+            )
+        base = (slots.round % 2) * slots.slot_bytes
+        slots.round += 1
+        device = grads[0].device
+        me = device.index or 0
+        dsts, srcs, sizes, src_devs, dst_devs = [], [], [], [], []
+        fallback: list[tuple[int, int, RSSegment, int]] = []  # (peer, row, seg, dst_rank)
+        for peer, row in rnd.sends:
+            dst_rank = layout.rank_of(rnd.chunk_node, peer)
+            for seg in segments:
+                valid = seg.valid(dst_rank)
+                if valid == 0:
+                    continue
+                grad = grads[seg.param_index]
+                dsts.append(
+                    slots.peer_ptrs[peer] + base + (row * row_numel + seg.out_offset) * itemsize
+                )
+                srcs.append(grad.data_ptr() + seg.src_offset(dst_rank) * itemsize)
+                sizes.append(valid * itemsize)
+                src_devs.append(me)
+                dst_devs.append(slots.peer_devices[peer])
+                fallback.append((peer, row, seg, dst_rank))
+        if dsts and not _try_batch(device, dsts, srcs, sizes, src_devs, dst_devs, "TIDE-RS"):
+            for peer, row, seg, dst_rank in fallback:
+                valid = seg.valid(dst_rank)
+                dst = slots.peer_bufs[peer].narrow(
+                    0, base + (row * row_numel + seg.out_offset) * itemsize, valid * itemsize
+                )
+                src = grads[seg.param_index].narrow(0, seg.src_offset(dst_rank), valid)
+                dst.view(dtype).copy_(src)
+        slots.handle.barrier(channel=0)
+        return (
+            slots.buffer.narrow(0, base, rows_used * row_numel * itemsize)
+            .view(dtype)
+            .view(rows_used, row_numel)
+        )

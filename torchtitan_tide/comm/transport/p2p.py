@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..plan import Chunk, GroupPlan, chunks_for_ranks, pace_chunks
+from ..plan import Chunk, GroupPlan, RSRound, RSSegment, WorldLayout, chunks_for_ranks, pace_chunks
 from . import global_rank
 
 __all__ = ["P2PTransport"]
@@ -28,11 +28,16 @@ def _byte_view(storage: torch.Tensor, chunk: Chunk) -> torch.Tensor:
 
 
 class P2PTransport:
-    """Paced point-to-point exchange. ``pacing``: see ``TideAGOptions.pacing``."""
+    """Paced point-to-point exchange. ``pacing``: see ``TideOptions.pacing``.
+
+    One instance per (process group, device), shared by its FSDP groups: it
+    owns the TIDE-RS receive staging (``rows`` x the largest row, grown on
+    first use, reused by every round: rounds are ordered on one stream)."""
 
     def __init__(self, name: str, pacing: int = 0) -> None:
         self.name = name
         self.pacing = pacing
+        self.staging: torch.Tensor | None = None  # uint8, TIDE-RS rows
 
     def gather(
         self,
@@ -66,3 +71,54 @@ class P2PTransport:
                 for work in dist.batch_isend_irecv(ops):
                     work.wait()
         return None
+
+    def exchange_rows(
+        self,
+        layout: WorldLayout,
+        rank: int,
+        rnd: RSRound,
+        grads: list[torch.Tensor],
+        segments: tuple[RSSegment, ...],
+        row_numel: int,
+        group: dist.ProcessGroup,
+    ) -> torch.Tensor:
+        """One node-local TIDE-RS round (``plan.rs_schedule``) over send/recv:
+        every slice goes straight from the sender's gradient into the
+        receiver's staging row (the own slice by a local copy). Returns the
+        received rows ``[len(rnd.recvs), row_numel]`` in the gradients' dtype,
+        complete on the current stream (NCCL) or on the host (gloo)."""
+        dtype, itemsize = grads[0].dtype, grads[0].element_size()
+        rows_used = len(rnd.recvs)
+        nbytes = rows_used * row_numel * itemsize
+        if self.staging is None or self.staging.numel() < nbytes:
+            self.staging = torch.empty(nbytes, dtype=torch.uint8, device=grads[0].device)
+        rows = self.staging.narrow(0, 0, nbytes).view(dtype).view(rows_used, row_numel)
+        local = layout.local_of(rank)
+        my_dst = layout.rank_of(rnd.chunk_node, local)
+        ops: list[dist.P2POp] = []
+        for peer, row in rnd.sends:
+            dst_rank = layout.rank_of(rnd.chunk_node, peer)
+            for seg in segments:
+                valid = seg.valid(dst_rank)
+                if valid == 0:
+                    continue
+                src = grads[seg.param_index].narrow(0, seg.src_offset(dst_rank), valid)
+                if peer == local:
+                    rows[row].narrow(0, seg.out_offset, valid).copy_(src)
+                else:
+                    peer_rank = global_rank(group, layout.rank_of(layout.node_of(rank), peer))
+                    ops.append(dist.P2POp(dist.isend, src.view(torch.uint8), peer_rank, group))
+        for peer, row in rnd.recvs:
+            if peer == local:
+                continue
+            peer_rank = global_rank(group, layout.rank_of(layout.node_of(rank), peer))
+            for seg in segments:
+                valid = seg.valid(my_dst)
+                if valid == 0:
+                    continue
+                dst = rows[row].narrow(0, seg.out_offset, valid)
+                ops.append(dist.P2POp(dist.irecv, dst.view(torch.uint8), peer_rank, group))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return rows

@@ -1,0 +1,124 @@
+"""The TIDE-RS accumulate kernel: a few CTAs sum rows of gradients in fp32, then exit.
+
+``accumulate_rows(rows, out, accumulate, divisor, num_ctas)`` computes, element-wise,
+
+    out = ((out if accumulate else 0) + rows[0] + rows[1] + ... + rows[R-1]) / divisor
+
+with every addition in fp32, in row order, and IEEE round-to-nearest division,
+so the Triton kernel (CUDA) and the torch fallback (CPU, or CUDA without
+Triton) give bitwise equal results. ``rows`` is ``[R, numel]`` in any float
+dtype (bf16 gradients from peers, fp32 partials from other nodes); ``out`` is
+fp32 ``[numel]``. Both contiguous, same device.
+
+Why a persistent grid of ``num_ctas`` programs (default 4) instead of one
+program per block: the kernel runs beside backward's GEMMs; a single-wave GEMM
+of up to (SM count - num_ctas) tiles still fits in one wave next to it. Each
+program strides over the whole range, so the kernel's length, not its width,
+grows with the gradient size.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+__all__ = ["accumulate_rows", "triton_status"]
+
+logger = logging.getLogger(__name__)
+
+_BLOCK = 2048  # elements per program per iteration (bf16: 4 KiB loads per row)
+
+
+@functools.cache
+def _triton_kernel():
+    """The jitted kernel, or None when Triton cannot be imported."""
+    try:
+        import triton
+        import triton.language as tl
+    except Exception as e:  # noqa: BLE001 - any import failure means "no Triton"
+        logger.info("TIDE-RS: Triton unavailable (%s); accumulate uses torch ops", e)
+        return None
+
+    @triton.jit
+    def _accumulate_rows_kernel(
+        rows_ptr,
+        row_stride,
+        out_ptr,
+        numel,
+        divisor,
+        NUM_ROWS: tl.constexpr,
+        ACCUMULATE: tl.constexpr,
+        BLOCK: tl.constexpr,
+        NUM_PROGRAMS: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        for start in range(pid * BLOCK, numel, NUM_PROGRAMS * BLOCK):
+            offs = start.to(tl.int64) + tl.arange(0, BLOCK)
+            mask = offs < numel
+            if ACCUMULATE:
+                acc = tl.load(out_ptr + offs, mask=mask, other=0.0)
+            else:
+                acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for r in tl.static_range(NUM_ROWS):
+                row = tl.load(rows_ptr + r * row_stride + offs, mask=mask, other=0.0)
+                acc += row.to(tl.float32)
+            acc = tl.math.div_rn(acc, divisor)
+            tl.store(out_ptr + offs, acc, mask=mask)
+
+    return _accumulate_rows_kernel
+
+
+def triton_status() -> str:
+    """"triton" when the CUDA path uses the Triton kernel, else why not."""
+    return "triton" if _triton_kernel() is not None else "torch fallback (no Triton)"
+
+
+def _torch_accumulate(rows: torch.Tensor, out: torch.Tensor, accumulate: bool, divisor: float):
+    if not accumulate:
+        out.zero_()
+    for r in range(rows.shape[0]):
+        out.add_(rows[r])  # bf16 row promoted to fp32, added in fp32
+    if divisor != 1.0:
+        out.div_(divisor)
+
+
+def accumulate_rows(
+    rows: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    accumulate: bool,
+    divisor: float = 1.0,
+    num_ctas: int = 4,
+) -> None:
+    """See the module docstring. Runs on the current stream; returns at once (CUDA).
+
+    ``divisor`` 1.0 skips nothing on the Triton path (x / 1.0 is exact) and the
+    division on the torch path."""
+    if rows.dim() != 2 or out.dim() != 1 or rows.shape[1] != out.numel():
+        raise ValueError(f"accumulate_rows: rows {tuple(rows.shape)} vs out {tuple(out.shape)}")
+    if out.dtype != torch.float32 or not (rows.is_contiguous() and out.is_contiguous()):
+        raise ValueError("accumulate_rows: out must be contiguous fp32, rows contiguous")
+    numel = out.numel()
+    if numel == 0:
+        return
+    # CPU tensors go to Triton only in its interpreter (TRITON_INTERPRET=1, tests).
+    use_triton = out.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    kernel = _triton_kernel() if use_triton else None
+    if kernel is None:
+        _torch_accumulate(rows, out, accumulate, float(divisor))
+        return
+    programs = max(1, min(num_ctas, -(-numel // _BLOCK)))
+    kernel[(programs,)](
+        rows,
+        rows.stride(0),
+        out,
+        numel,
+        float(divisor),
+        NUM_ROWS=rows.shape[0],
+        ACCUMULATE=accumulate,
+        BLOCK=_BLOCK,
+        NUM_PROGRAMS=programs,
+    )

@@ -1,0 +1,380 @@
+"""TIDE-RS: per-parameter bf16 gradients reduced into fp32 shards, in two phases.
+
+Replaces, for TIDE groups only, FSDP2's ``foreach_reduce`` (``chunk_cat`` of
+every gradient into a flat full-group fp32 buffer, then one NCCL
+reduce-scatter); ``fsdp_patch`` dispatches to :func:`tide_reduce`.
+
+Phase 1, node-local (``plan.rs_schedule``): every rank pushes its slices of
+its gradients, read where autograd left them, into local peers' staging rows
+(copy engine: one ``cudaMemcpyBatchAsync`` per round into symmetric memory;
+or send/recv), then a few-CTA kernel (``kernels.accumulate_rows``) sums the
+rows in fp32. bf16 moves, fp32 accumulates.
+
+Phase 2, cross-node (more than one node): each fp32 partial goes to the rank
+of the same local index on its node over point-to-point (NCCL; gloo on CPU),
+the received partial is added into the output. It runs on its own stream:
+phase 1 of the next chunk or FSDP group never waits for it, only for a free
+buffer of the ``rs_inflight`` ring.
+
+Streams and ownership (CUDA):
+
+- ``comm``: the stream of phase 1 (TIDE's all-gather stream when the slots are
+  shared with TIDE-AG, so both follow one slot protocol; else FSDP's
+  reduce-scatter stream). It first waits for the compute stream (the
+  gradients are ready when FSDP calls us). Gradients are read on it, so each
+  gets ``record_stream(comm)`` before FSDP drops its references.
+- ``cross``: one stream per device for phase 2. The output is allocated on
+  ``comm`` and ``record_stream(cross)``-ed when phase 2 writes it.
+- The output (``[sum of padded shard numels]`` fp32, FSDP's reduce-output
+  layout) becomes the sharded gradients (views) exactly as in FSDP2, on the
+  stream of the last write (``post_reduce_stream``), which records the
+  post-reduce event FSDP waits before the optimizer.
+- Ring buffers, staging and slots are owned by :class:`RSBuffers` (one per
+  process group and device) and live until ``comm.remove``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from . import kernels
+from .plan import RSRound, WorldLayout, rs_cross_node_peers, rs_schedule, rs_segments
+from .transport import global_rank
+
+__all__ = [
+    "RSBuffers",
+    "TideReduceResult",
+    "TideRSState",
+    "rs_unsupported_reason",
+    "set_poison",
+    "tide_reduce",
+]
+
+logger = logging.getLogger(__name__)
+
+_cross_streams: dict[torch.device, torch.Stream] = {}
+# Tests: a value written into every output, partial and staging buffer before
+# TIDE-RS writes it (e.g. NaN), so an element it fails to write shows.
+_poison: dict[str, float | None] = {"value": None}
+
+
+def set_poison(value: float | None) -> None:
+    """Fill every TIDE-RS output/partial/receive buffer with ``value`` right
+    after it is taken (None: off, the default). For tests only."""
+    _poison["value"] = value
+
+
+def _poisoned(t: torch.Tensor) -> torch.Tensor:
+    if _poison["value"] is not None:
+        t.fill_(_poison["value"])
+    return t
+
+
+@dataclass
+class RSBuffers:
+    """Phase-2 buffers of one process group on one device (fp32, grown to the
+    largest group on first use): a ring of ``inflight`` partials, each with the
+    event after which phase 2 no longer reads it, and one receive buffer."""
+
+    inflight: int
+    partials: list[torch.Tensor] = field(default_factory=list)
+    partial_free: list[torch.Event | None] = field(default_factory=list)
+    recv: torch.Tensor | None = None
+    next_partial: int = 0
+
+    def take_partial(self, numel: int, device: torch.device) -> tuple[int, torch.Tensor]:
+        """The next ring slot and an fp32 view of ``numel`` elements; on CUDA the
+        current stream waits until phase 2 released that slot."""
+        if not self.partials or self.partials[0].numel() < numel:
+            self.partials = [
+                torch.empty(numel, dtype=torch.float32, device=device) for _ in range(self.inflight)
+            ]
+            self.partial_free = [None] * self.inflight
+        k = self.next_partial
+        self.next_partial = (k + 1) % self.inflight
+        if (event := self.partial_free[k]) is not None:
+            torch.cuda.current_stream(device).wait_event(event)
+            self.partial_free[k] = None
+        return k, _poisoned(self.partials[k].narrow(0, 0, numel))
+
+    def take_recv(self, numel: int, device: torch.device) -> torch.Tensor:
+        if self.recv is None or self.recv.numel() < numel:
+            self.recv = torch.empty(numel, dtype=torch.float32, device=device)
+        return _poisoned(self.recv.narrow(0, 0, numel))
+
+
+@dataclass
+class TideRSState:
+    """TIDE-RS state of one FSDPParamGroup, owned by ``fsdp_patch``.
+
+    ``transport`` implements ``exchange_rows`` (copy engine or point-to-point);
+    ``use_tide_stream``: phase 1 runs on TIDE's all-gather stream (slots shared
+    with TIDE-AG) instead of FSDP's reduce-scatter stream."""
+
+    layout: WorldLayout
+    rank: int
+    group: dist.ProcessGroup
+    fqn: str
+    transport: object
+    buffers: RSBuffers
+    rows: int
+    ctas: int
+    use_tide_stream: bool
+    calls: int = 0
+    stock_reasons: set[str] = field(default_factory=set)
+
+
+class TideReduceResult(NamedTuple):
+    """What FSDP's ``post_backward`` expects from ``foreach_reduce`` (torch
+    2.11 returns all but ``post_reduce_stream``; ``fsdp_patch`` adapts)."""
+
+    reduce_scatter_input: torch.Tensor  # empty: there is no flat input buffer
+    reduce_scatter_event: torch.Event | None  # phase 1 done: gradients read
+    post_reduce_stream: torch.Stream
+    post_reduce_event: torch.Event | None
+    all_reduce_input: torch.Tensor | None
+    all_reduce_event: torch.Event | None
+    partial_reduce_output: torch.Tensor | None
+
+
+def rs_unsupported_reason(
+    grads: list[torch.Tensor], reduce_dtype: torch.dtype | None, orig_dtype: torch.dtype | None
+) -> str | None:
+    """Why this reduce must take FSDP2's own path, or None. TIDE-RS moves bf16
+    or fp32 gradients and accumulates in fp32, so the reduce dtype must be fp32
+    (or unset with fp32 sharded parameters)."""
+    dtypes = {g.dtype for g in grads}
+    if len(dtypes) != 1:
+        return f"mixed gradient dtypes {sorted(str(d) for d in dtypes)}"
+    grad_dtype = dtypes.pop()
+    if grad_dtype not in (torch.bfloat16, torch.float32):
+        return f"gradient dtype {grad_dtype} (TIDE-RS moves bf16 or fp32)"
+    effective = reduce_dtype or grad_dtype
+    if effective != torch.float32 and (reduce_dtype is not None or orig_dtype != torch.float32):
+        return f"reduce dtype {effective} (TIDE-RS accumulates and outputs fp32)"
+    return None
+
+
+def _cross_stream(device: torch.device) -> torch.Stream:
+    if device not in _cross_streams:
+        _cross_streams[device] = torch.cuda.Stream(device=device, priority=-1)
+    return _cross_streams[device]
+
+
+def _stream_ctx(stream: torch.Stream | None):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _divide_factor(
+    group: dist.ProcessGroup,
+    all_reduce_group: dist.ProcessGroup | None,
+    gradient_divide_factor: float | None,
+) -> float:
+    """FSDP2's total division: ``gradient_divide_factor`` if set, else the data
+    parallel size (reduce-scatter x all-reduce group sizes). FSDP2 reaches the
+    same total through AVG / PREMUL_SUM / post-division, depending on backend."""
+    if gradient_divide_factor is not None:
+        return float(gradient_divide_factor)
+    size = group.size() * (all_reduce_group.size() if all_reduce_group is not None else 1)
+    return float(size)
+
+
+def _cross_node_step(
+    state: TideRSState,
+    partial: torch.Tensor,
+    partial_slot: int,
+    chunk_node: int,
+    out: torch.Tensor,
+    divisor: float,
+    cross: torch.Stream | None,
+) -> None:
+    """Phase 2 for one chunk: send ``partial`` to its owner, add the partial
+    received for this rank into ``out`` (divided by ``divisor`` when it is the
+    last addition). CUDA: on ``cross``, after phase 1 of this chunk."""
+    layout, rank, group = state.layout, state.rank, state.group
+    send_peer, recv_peer = rs_cross_node_peers(layout, rank, chunk_node)
+    device = out.device
+    if cross is not None:
+        cross.wait_stream(torch.cuda.current_stream(device))
+    with _stream_ctx(cross):
+        recv = state.buffers.take_recv(out.numel(), device)
+        ops = [
+            dist.P2POp(dist.isend, partial, global_rank(group, send_peer), group),
+            dist.P2POp(dist.irecv, recv, global_rank(group, recv_peer), group),
+        ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        if cross is not None:
+            state.buffers.partial_free[partial_slot] = cross.record_event()
+        kernels.accumulate_rows(
+            recv.view(1, -1), out, accumulate=True, divisor=divisor, num_ctas=state.ctas
+        )
+
+
+@torch.no_grad()
+def tide_reduce(
+    state: TideRSState,
+    fsdp_params: list,
+    unsharded_grads: list[torch.Tensor],
+    reduce_scatter_stream: torch.Stream,
+    orig_dtype: torch.dtype | None,
+    device: torch.device,
+    gradient_divide_factor: float | None,
+    all_reduce_group: dist.ProcessGroup | None,
+    all_reduce_stream: torch.Stream,
+    all_reduce_grads: bool,
+    partial_reduce_output: torch.Tensor | None,
+    all_reduce_hook,
+    tide_stream: torch.Stream | None,
+) -> TideReduceResult:
+    """Reduce-scatter one FSDP group's gradients with TIDE-RS and hand the fp32
+    shards to FSDP exactly as ``foreach_reduce`` does (new ``.grad`` or
+    accumulation into it, post-accumulate hooks, HSDP all-reduce with its
+    partial accumulation). ``unsharded_grads`` is cleared (references
+    dropped) as FSDP expects. The caller checked ``rs_unsupported_reason``."""
+    layout, rank = state.layout, state.rank
+    num_nodes, node = layout.num_nodes, layout.node_of(rank)
+    grads = [g.reshape(-1) if g.is_contiguous() else g.contiguous().view(-1) for g in unsharded_grads]
+    segments, shard_numel = rs_segments(
+        [g.numel() for g in grads], [fp._sharded_param_data.numel() for fp in fsdp_params]
+    )
+    factor = _divide_factor(state.group, all_reduce_group, gradient_divide_factor)
+    # With HSDP the division waits until after the all-reduce (FSDP2's total).
+    final_divisor = factor if all_reduce_group is None else 1.0
+    cuda = device.type == "cuda"
+    if cuda:
+        comm = tide_stream if state.use_tide_stream else reduce_scatter_stream
+        comm.wait_stream(torch.cuda.current_stream(device))
+        for g in unsharded_grads:
+            g.record_stream(comm)
+        cross = _cross_stream(device) if num_nodes > 1 else None
+    else:
+        comm = cross = None
+    unsharded_grads.clear()
+    if state.calls == 0:
+        logger.info(
+            "TIDE-RS %s: first reduce, %d params, %d elements per shard, %s gradients, "
+            "%d nodes x %d, accumulate: %s",
+            state.fqn, len(grads), shard_numel, grads[0].dtype if grads else None,
+            num_nodes, layout.local_world_size, kernels.triton_status() if cuda else "torch",
+        )  # fmt: skip
+    state.calls += 1
+
+    with _stream_ctx(comm):
+        out = _poisoned(torch.empty(shard_numel, dtype=torch.float32, device=device))
+        rounds = rs_schedule(layout, rank, state.rows)
+        chunk_rounds: dict[int, list[RSRound]] = {}
+        for rnd in rounds:
+            chunk_rounds.setdefault(rnd.chunk_node, []).append(rnd)
+        for chunk_node, chunk in chunk_rounds.items():
+            own = chunk_node == node
+            slot = -1
+            if own:
+                target = out
+            else:
+                slot, target = state.buffers.take_partial(shard_numel, device)
+            for rnd in chunk:
+                rows = state.transport.exchange_rows(
+                    layout, rank, rnd, grads, segments, shard_numel, state.group
+                )
+                divisor = final_divisor if (own and num_nodes == 1 and rnd.last) else 1.0
+                kernels.accumulate_rows(
+                    rows, target, accumulate=not rnd.first, divisor=divisor, num_ctas=state.ctas
+                )
+            if not own:
+                is_last = chunk_node == (node + num_nodes - 1) % num_nodes
+                _cross_node_step(
+                    state, target, slot, chunk_node, out,
+                    final_divisor if is_last else 1.0, cross,
+                )  # fmt: skip
+        reduce_scatter_event = _record(comm, reduce_scatter_stream)
+    del grads  # the gradients' memory returns to the allocator after phase 1 (record_stream)
+    post_stream = cross if cross is not None else comm
+    if cross is not None:
+        out.record_stream(cross)
+    # Padding elements of this rank's shard (never read by FSDP's views) are
+    # zero, as in FSDP2's reduce-scatter input.
+    with _stream_ctx(post_stream):
+        for seg in segments:
+            valid = seg.valid(rank)
+            if valid < seg.shard_numel:
+                out.narrow(0, seg.out_offset + valid, seg.shard_numel - valid).zero_()
+    fsdp_stream = post_stream if post_stream is not None else reduce_scatter_stream
+
+    all_reduce_input = all_reduce_event = None
+    if all_reduce_group is not None:  # HSDP: FSDP2's all-reduce semantics
+        if not all_reduce_grads:
+            with _stream_ctx(post_stream):
+                if partial_reduce_output is not None:
+                    partial_reduce_output += out
+                else:
+                    partial_reduce_output = out
+                event = _record(post_stream, reduce_scatter_stream)
+            return TideReduceResult(
+                _empty(device), reduce_scatter_event, fsdp_stream, event, None, None,
+                partial_reduce_output,
+            )  # fmt: skip
+        if cuda:
+            all_reduce_stream.wait_stream(post_stream)
+            out.record_stream(all_reduce_stream)
+        with _stream_ctx(all_reduce_stream if cuda else None):
+            if partial_reduce_output is not None:
+                out += partial_reduce_output
+            dist.all_reduce(out, group=all_reduce_group, op=dist.ReduceOp.SUM)
+            if factor != 1.0:
+                out.div_(factor)
+            all_reduce_input = out
+            all_reduce_event = _record(all_reduce_stream if cuda else None, all_reduce_stream)
+        post_stream = all_reduce_stream if cuda else None
+        fsdp_stream = all_reduce_stream
+    if all_reduce_hook is not None:
+        if cuda:
+            all_reduce_stream.wait_stream(post_stream)
+            out.record_stream(all_reduce_stream)
+        with _stream_ctx(all_reduce_stream if cuda else None):
+            all_reduce_hook(out)
+        post_stream = all_reduce_stream if cuda else None
+        fsdp_stream = all_reduce_stream
+
+    with _stream_ctx(post_stream):
+        grad_out = out if orig_dtype in (None, torch.float32) else out.to(orig_dtype)
+        for seg, fsdp_param in zip(segments, fsdp_params):
+            new_sharded_grad = torch.as_strided(
+                grad_out,
+                size=fsdp_param.sharded_size,
+                stride=fsdp_param.contiguous_sharded_stride,
+                storage_offset=seg.out_offset,
+            )
+            sharded_param = fsdp_param.sharded_param
+            if sharded_param.grad is not None:
+                sharded_param.grad._local_tensor += new_sharded_grad
+            else:
+                sharded_param.grad = fsdp_param.to_sharded_dtensor(new_sharded_grad)
+            for hook in (getattr(sharded_param, "_post_accumulate_grad_hooks", {}) or {}).values():
+                hook(sharded_param)
+        post_reduce_event = _record(post_stream, fsdp_stream)
+    return TideReduceResult(
+        _empty(device), reduce_scatter_event, fsdp_stream, post_reduce_event,
+        all_reduce_input, all_reduce_event, None,
+    )  # fmt: skip
+
+
+def _record(stream: torch.Stream | None, fsdp_stream: torch.Stream) -> torch.Event:
+    """An event on ``stream`` (CUDA); on CPU FSDP's own stream object's event,
+    exactly what FSDP2's ``foreach_reduce`` returns there."""
+    return (stream if stream is not None else fsdp_stream).record_event()
+
+
+_empties: dict[torch.device, torch.Tensor] = {}
+
+
+def _empty(device: torch.device) -> torch.Tensor:
+    if device not in _empties:
+        _empties[device] = torch.empty(0, device=device)
+    return _empties[device]
