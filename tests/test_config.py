@@ -28,6 +28,11 @@ def test_defaults_are_stock_fsdp2():
         ({"local_world_size": True}, ["local_world_size", "integer"]),
         ({"ag_pacing": 1.5}, ["ag_pacing", "integer"]),
         ({"metrics_jsonl": "yes"}, ["metrics_jsonl", "boolean"]),
+        ({"reduce_scatter": "nccl"}, ["reduce_scatter", "'nccl'", "tide", "fsdp2"]),
+        ({"rs_ctas": 0}, ["rs_ctas", ">= 1"]),
+        ({"rs_rows": "2"}, ["rs_rows", "integer"]),
+        ({"rs_inflight": 0}, ["rs_inflight", ">= 1"]),
+        ({"slot_reuse": 1}, ["slot_reuse", "boolean"]),
         ({"com": "tide"}, ["unknown key", "'com'", "comm"]),
         ({"comm": "tide", "transport": "x"}, ["unknown key", "'transport'", "ag_transport"]),
     ],
@@ -42,12 +47,20 @@ def test_bad_values_name_the_key(table, names):
 
 
 def test_tide_options_forwarded_only_for_tide():
-    tide = Tide(comm="tide", ag_transport="nccl_p2p", local_world_size=1, ag_pacing=4)
-    assert tide.comm_options() == {"transport": "nccl_p2p", "local_world_size": 1, "pacing": 4}
+    tide = Tide(comm="tide", ag_transport="nccl_p2p", local_world_size=1, ag_pacing=4,
+                reduce_scatter="fsdp2", rs_ctas=8)
+    assert tide.comm_options() == {
+        "transport": "nccl_p2p", "local_world_size": 1, "pacing": 4, "reduce_scatter": "fsdp2",
+        "rs_ctas": 8, "rs_rows": 2, "rs_inflight": 2, "slot_reuse": True,
+    }
     assert tide.options_ignored_by_mode() == []
-    stock = Tide(comm="fsdp2", ag_transport="nccl_p2p")
+    stock = Tide(comm="fsdp2", ag_transport="nccl_p2p", slot_reuse=False)
     assert stock.comm_options() == {}
-    assert stock.options_ignored_by_mode() == ["ag_transport"]
+    assert stock.options_ignored_by_mode() == ["ag_transport", "slot_reuse"]
+    # Every option the TOML forwards is one comm.apply accepts.
+    from torchtitan_tide.comm import TideOptions
+
+    assert TideOptions.from_kwargs(**tide.comm_options()).reduce_scatter == "fsdp2"
 
 
 def test_config_file_checks(tmp_path):

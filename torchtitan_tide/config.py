@@ -20,6 +20,12 @@ except ModuleNotFoundError:  # Python 3.10
 COMM_MODES = ("fsdp2", "symm_mem", "tide")
 FALLBACKS = ("none", "fsdp2")
 AG_TRANSPORTS = ("auto", "copy_engine", "nccl_p2p", "gloo")
+REDUCE_SCATTERS = ("tide", "fsdp2")
+# Options read only when comm = "tide".
+TIDE_ONLY_KEYS = (
+    "ag_transport", "local_world_size", "ag_pacing",
+    "reduce_scatter", "rs_ctas", "rs_rows", "rs_inflight", "slot_reuse",
+)  # fmt: skip
 
 
 class TideConfigError(ValueError):
@@ -32,8 +38,8 @@ class Tide:
     """FSDP2 communication mode.
     "fsdp2": stock FSDP2 (flat rank-major buffers, NCCL kernels, copy-in/copy-out).
     "symm_mem": FSDP2 with its collective buffers in symmetric memory (GPU, NCCL only).
-    "tide": layout-aware zero-copy collectives (TIDE-AG; reduce-scatter stays FSDP2's
-    until TIDE-RS lands)."""
+    "tide": layout-aware zero-copy collectives (TIDE-AG all-gather and, unless
+    reduce_scatter = "fsdp2", TIDE-RS reduce-scatter)."""
 
     fallback: str = "none"
     """What to do when `comm` cannot run on this hardware (e.g. "symm_mem" on CPU/gloo).
@@ -54,6 +60,26 @@ class Tide:
     """TIDE-AG cross-node pacing: the most point-to-point chunks in flight per
     recursive-doubling step. 0: no limit. Only read when comm = "tide"."""
 
+    reduce_scatter: str = "tide"
+    """Reduce-scatter under comm = "tide". "tide": TIDE-RS (bf16 gradients read in place,
+    fp32 accumulation by a few-CTA kernel, cross-node phase over point-to-point).
+    "fsdp2": keep FSDP2's reduce-scatter (TIDE-AG only)."""
+
+    rs_ctas: int = 4
+    """CTAs of the TIDE-RS accumulate kernel (few on purpose: it runs beside backward's
+    GEMMs)."""
+
+    rs_rows: int = 2
+    """TIDE-RS source rows per staging slot (node-local peers summed per kernel pass);
+    the staging buffer is rs_rows x the largest FSDP group's shard, whatever the GPU count."""
+
+    rs_inflight: int = 2
+    """TIDE-RS cross-node phase: fp32 partials allowed to wait for the network at once."""
+
+    slot_reuse: bool = True
+    """Copy engine: TIDE-RS stages gradients in TIDE-AG's symmetric slots instead of a
+    buffer of its own."""
+
     metrics_jsonl: bool = True
     """Write every logged step's metrics (loss, grad norm, memory, timings) to
     `<dump_folder>/metrics.jsonl` on the metrics rank, at full float precision, so runs in
@@ -65,6 +91,14 @@ class Tide:
         _check_choice("ag_transport", self.ag_transport, AG_TRANSPORTS)
         _check_int("local_world_size", self.local_world_size, minimum=0)
         _check_int("ag_pacing", self.ag_pacing, minimum=0)
+        _check_choice("reduce_scatter", self.reduce_scatter, REDUCE_SCATTERS)
+        for key in ("rs_ctas", "rs_rows", "rs_inflight"):
+            _check_int(key, getattr(self, key), minimum=1)
+        if not isinstance(self.slot_reuse, bool):
+            raise TideConfigError(
+                f"[tide] slot_reuse = {self.slot_reuse!r} is not a boolean; "
+                "write slot_reuse = true or false"
+            )
         if not isinstance(self.metrics_jsonl, bool):
             raise TideConfigError(
                 f"[tide] metrics_jsonl = {self.metrics_jsonl!r} is not a boolean; "
@@ -79,6 +113,11 @@ class Tide:
             "transport": self.ag_transport,
             "local_world_size": self.local_world_size or None,
             "pacing": self.ag_pacing,
+            "reduce_scatter": self.reduce_scatter,
+            "rs_ctas": self.rs_ctas,
+            "rs_rows": self.rs_rows,
+            "rs_inflight": self.rs_inflight,
+            "slot_reuse": self.slot_reuse,
         }
 
     def options_ignored_by_mode(self) -> list[str]:
@@ -88,7 +127,7 @@ class Tide:
         defaults = Tide()
         return [
             name
-            for name in ("ag_transport", "local_world_size", "ag_pacing")
+            for name in TIDE_ONLY_KEYS
             if getattr(self, name) != getattr(defaults, name)
         ]
 

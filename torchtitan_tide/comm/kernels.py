@@ -56,7 +56,7 @@ def _triton_kernel():
     ):
         pid = tl.program_id(0)
         for start in range(pid * BLOCK, numel, NUM_PROGRAMS * BLOCK):
-            offs = start.to(tl.int64) + tl.arange(0, BLOCK)
+            offs = tl.arange(0, BLOCK).to(tl.int64) + start
             mask = offs < numel
             if ACCUMULATE:
                 acc = tl.load(out_ptr + offs, mask=mask, other=0.0)
