@@ -65,7 +65,7 @@ class Tide:
     fp32 accumulation by a few-CTA kernel, cross-node phase over point-to-point).
     "fsdp2": keep FSDP2's reduce-scatter (TIDE-AG only)."""
 
-    rs_ctas: int = 4
+    rs_ctas: int = 8
     """CTAs of the TIDE-RS accumulate kernel (few on purpose: it runs beside backward's
     GEMMs)."""
 

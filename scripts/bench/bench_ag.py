@@ -44,8 +44,6 @@ os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
 
 import argparse
 import dataclasses
-import datetime
-import socket
 import sys
 import time
 import traceback
@@ -65,6 +63,7 @@ for _p in (str(_HERE), str(_ROOT)):
         sys.path.insert(0, _p)
 
 import common
+import harness
 
 VARIANTS: tuple[tuple[str, dict | None], ...] = (
     ("stock", None),
@@ -74,10 +73,8 @@ VARIANTS: tuple[tuple[str, dict | None], ...] = (
 SCENARIOS: tuple[tuple[str, int, str], ...] = (("layer", 1, "1 layer"), ("model4", 4, "4 layers"))
 WARMUP = 3
 PROFILE_STEPS = 3
-SLEEP_CYCLES = 20_000_000  # ~10 ms at H200 clocks: hides host launch time ("queued")
 CE_BYTES = 256 * 2**20
 CE_COPIES = 576
-TIMEOUT_S = 120  # a collective hung this long aborts the run (partial JSON is kept)
 COPY_OUT_KERNELS = ("split_with_sizes", "chunk_cat")
 
 TABLE_COLUMNS = [
@@ -155,25 +152,8 @@ def layer_numel(s: LayerShape) -> int:
 # ---------------------------------------------------------------- pure helpers
 
 
-def bus_gibps(nbytes: int, world: int, ms: float | None) -> float | None:
-    """All-gather bus bandwidth ``nbytes * (world - 1) / world / time`` in GiB/s
-    (``nbytes`` = unsharded bytes); None without a positive time."""
-    if ms is None or ms <= 0:
-        return None
-    return nbytes * (world - 1) / world / (ms / 1e3) / 2**30
-
-
-def classify_device_event(name: str) -> str:
-    """Kind of a profiler device row: ``memcpy`` (Memcpy PtoP/DtoD/...),
-    ``memset``, ``nccl_kernel`` or ``other_kernel``."""
-    n = name.lower()
-    if n.startswith("memcpy"):
-        return "memcpy"
-    if n.startswith("memset"):
-        return "memset"
-    if "nccl" in n:
-        return "nccl_kernel"
-    return "other_kernel"
+bus_gibps = common.bus_gibps
+classify_device_event = common.classify_device_event
 
 
 def breakdown(events: Sequence[tuple[str, float]], steps: int) -> dict[str, Any]:
@@ -196,18 +176,6 @@ def breakdown(events: Sequence[tuple[str, float]], steps: int) -> dict[str, Any]
     return out
 
 
-def _short(err: str | None, n: int = 90) -> str | None:
-    if err is None:
-        return None
-    err = err.splitlines()[0] if err else err
-    return err if len(err) <= n else err[: n - 3] + "..."
-
-
-def _min(values: Sequence[float | None]) -> float | None:
-    vals = [v for v in values if v is not None]
-    return min(vals) if vals else None
-
-
 def summarize_variant(
     rounds: Sequence[dict], nbytes: int, world: int, stock_best_ms: float | None
 ) -> dict[str, Any]:
@@ -216,9 +184,13 @@ def summarize_variant(
     ``host_median_ms`` and optionally ``profile`` (a :func:`breakdown`) and
     ``exact_vs_stock``. ``best_ms`` is the smaller round median."""
     meds = [r.get("median_ms") for r in rounds]
-    best = _min(meds)
+    best = common.min_or_none(meds)
     prof = next((r["profile"] for r in rounds if r.get("profile")), {})
-    errors = [f"r{i + 1}: {_short(r['error'])}" for i, r in enumerate(rounds) if r.get("error")]
+    errors = [
+        f"r{i + 1}: {common.short_error(r['error'])}"
+        for i, r in enumerate(rounds)
+        if r.get("error")
+    ]
     exact = next((r["exact_vs_stock"] for r in rounds if r.get("exact_vs_stock") is not None), None)
     return {
         "round1_ms": meds[0] if len(meds) > 0 else None,
@@ -229,8 +201,8 @@ def summarize_variant(
         "nccl_kernel_ms": prof.get("nccl_kernel_ms"),
         "other_kernel_ms": prof.get("other_kernel_ms"),
         "memcpy_ms": prof.get("memcpy_ms"),
-        "queued_best_ms": _min([r.get("queued_median_ms") for r in rounds]),
-        "host_ms": _min([r.get("host_median_ms") for r in rounds]),
+        "queued_best_ms": common.min_or_none([r.get("queued_median_ms") for r in rounds]),
+        "host_ms": common.min_or_none([r.get("host_median_ms") for r in rounds]),
         "exact_vs_stock": exact,
         "copy_out_kernels": prof.get("copy_out_kernels"),
         "error": "; ".join(errors) or None,
@@ -247,7 +219,7 @@ def table_rows(results: dict) -> list[dict[str, Any]]:
             continue
         variants = scn.get("variants", {})
         stock = variants.get("stock", {}).get("rounds", [])
-        stock_best = _min([r.get("median_ms") for r in stock])
+        stock_best = common.min_or_none([r.get("median_ms") for r in stock])
         for vname, _ in VARIANTS:
             rounds = variants.get(vname, {}).get("rounds", [])
             if not rounds:
@@ -278,7 +250,7 @@ def ce_rows(ce: dict | None) -> list[dict[str, Any]]:
                 "GiBps": g,
                 "vs_one_copy": (g / one) if (g and one) else None,
                 "exact": m.get("exact"),
-                "error": _short(m.get("error")),
+                "error": common.short_error(m.get("error")),
             }
         )
     return rows
@@ -393,36 +365,6 @@ def write_outputs(results: dict, final: bool) -> Path:
 # ---------------------------------------------------------------- measurement
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time_call(fn: Callable[[], None], device: torch.device, queued: bool) -> tuple[float, float]:
-    """(elapsed ms of ``fn`` on the current stream, host ms of the call).
-    All ranks start together (barrier + sync). ``queued``: a sleep kernel is
-    enqueued first so the host launch overlaps it (pure device time)."""
-    dist.barrier()
-    _sync(device)
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        fn()
-        ms = (time.perf_counter() - t0) * 1e3
-        return ms, ms
-    stream = torch.cuda.current_stream(device)
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    if queued:
-        torch.cuda._sleep(SLEEP_CYCLES)
-    start.record(stream)
-    t0 = time.perf_counter()
-    fn()
-    host_ms = (time.perf_counter() - t0) * 1e3
-    end.record(stream)
-    end.synchronize()
-    return start.elapsed_time(end), host_ms
-
-
 def device_rows(prof) -> list[tuple[str, float]]:
     """``(name, us)`` of every device-side row (kernel, memcpy, memset) of a
     torch profile; GPU user annotations (record_function ranges) skipped."""
@@ -447,13 +389,13 @@ def _profile(step: Callable[[], None], reshard: Callable[[], None], device: torc
     if device.type == "cuda":
         acts.append(ProfilerActivity.CUDA)
     dist.barrier()
-    _sync(device)
+    harness.sync(device)
     with profile(activities=acts) as prof:
         for _ in range(PROFILE_STEPS):
             step()
-            _sync(device)
+            harness.sync(device)
             reshard()
-    _sync(device)
+    harness.sync(device)
     return breakdown(device_rows(prof), PROFILE_STEPS)
 
 
@@ -479,7 +421,7 @@ def _check_exact(
     tide_ag.set_debug_hooks(before=poison)
     try:
         step()
-        _sync(device)
+        harness.sync(device)
     finally:
         tide_ag.set_debug_hooks()
     params = _unsharded_params(model)
@@ -525,14 +467,14 @@ def measure_variant(
     for _ in range(WARMUP):
         step()
         reshard()
-    _sync(device)
+    harness.sync(device)
     idle, queued, host = [], [], []
     for _ in range(iters):
-        ms, _ = _time_call(step, device, queued=False)
+        ms, _ = harness.time_call(step, device, queued=False)
         reshard()
         idle.append(ms)
     for _ in range(iters):
-        ms, h = _time_call(step, device, queued=True)
+        ms, h = harness.time_call(step, device, queued=True)
         reshard()
         queued.append(ms)
         host.append(h)
@@ -569,17 +511,9 @@ def build_model(n_layers: int, shape: LayerShape, device: torch.device) -> tuple
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in layers:
         fully_shard(layer, mp_policy=mp_policy)
-    _sync(device)
+    harness.sync(device)
     model: nn.Module = layers[0] if n_layers == 1 else layers
     return model, list(layers)
-
-
-def _agree_errors(err: str | None) -> str | None:
-    """Every rank's error of the same step (collective); None if all succeeded."""
-    errs: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errs, err)
-    bad = [f"rank {r}: {e}" for r, e in enumerate(errs) if e]
-    return "; ".join(bad) or None
 
 
 def run_scenario(
@@ -637,13 +571,13 @@ def run_scenario(
                 err = f"{type(e).__name__}: {e}"
                 res = {"error": err, "traceback": traceback.format_exc()[-3000:]}
                 print(f"[rank {rank}] {key} {name} round {rnd} FAILED: {err}", flush=True)
-            agreed = _agree_errors(err)
+            agreed = harness.agree_errors(err)
             if agreed and not res.get("error"):
                 res = {"error": f"failed on another rank: {agreed}"}
             if agreed:  # FSDP/TIDE state may be mid-way: start the next variant afresh
                 del model, units
                 model, units = None, []
-                _sync(device)
+                harness.sync(device)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             res["round"] = rnd
@@ -659,7 +593,7 @@ def run_scenario(
                 )
             checkpoint()
     del model, units, ref
-    _sync(device)
+    harness.sync(device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -784,6 +718,7 @@ def _pull_modes(
 def _worker(rank: int, world: int, cfg: BenchConfig) -> None:
     device = torch.device("cuda", rank) if cfg.device_type == "cuda" else torch.device("cpu")
     results: dict[str, Any] = {
+        "kind": "ag",
         "metadata": cfg.meta,
         "config": {
             "iters": cfg.iters,
@@ -822,35 +757,6 @@ def _worker(rank: int, world: int, cfg: BenchConfig) -> None:
     checkpoint(final=True)
 
 
-def _entry(rank: int, world: int, port: int, cfg: BenchConfig) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    os.environ.pop("LOCAL_WORLD_SIZE", None)
-    timeout = datetime.timedelta(seconds=TIMEOUT_S)
-    if cfg.device_type == "cuda":
-        torch.cuda.set_device(rank)
-        dist.init_process_group(
-            "nccl",
-            rank=rank,
-            world_size=world,
-            timeout=timeout,
-            device_id=torch.device("cuda", rank),
-        )
-    else:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
-    try:
-        _worker(rank, world, cfg)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out-dir", default="bench/results")
@@ -862,8 +768,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="CPU gloo run with tiny shapes: checks the script, not a measurement",
     )
     args = ap.parse_args(argv)
-    import torch.multiprocessing as mp
-
     if args.smoke_cpu:
         device_type, shape, world, machine = "cpu", SMOKE_SHAPE, args.world or 2, "cpu smoke"
     else:
@@ -882,9 +786,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     md = Path(str(stem) + ".md")
     try:
-        mp.start_processes(
-            _entry, args=(world, _free_port(), cfg), nprocs=world, join=True, start_method="spawn"
-        )
+        harness.spawn(_worker, world, device_type, (cfg,))
     except Exception:
         if md.exists():
             print(md.read_text(), flush=True)

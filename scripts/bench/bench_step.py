@@ -1,13 +1,25 @@
 """Training-step benchmark: the same config under every comm mode, side by side.
 
-Runs ``./run_train.sh --config CONFIG --tide.comm MODE`` for each mode, ``--rounds``
-times interleaved (round 1: all modes, round 2: all modes), reads each run's
-``metrics.jsonl`` and reports per mode: median step time after ``--warmup`` steps
-(TorchTitan's end-to-end step timer), tokens/s, MFU, peak reserved memory, first/last
-loss, and the ratio to ``fsdp2``. Writes ``<date>_<machine>_<commit>_step_<config>.{json,md,png}``.
+Runs ``./run_train.sh --config CONFIG --tide.comm MODE`` for each mode (default all
+three: ``fsdp2``, ``symm_mem``, ``tide``; the launcher sets what a mode needs, e.g.
+``NCCL_CTA_POLICY=2`` for ``symm_mem``),
+``--rounds`` times interleaved (round 1: all modes, round 2: all modes), reads each
+run's ``metrics.jsonl`` and reports per mode: median step time after ``--warmup``
+steps (TorchTitan's end-to-end step timer), tokens/s, MFU, peak reserved memory,
+first/last loss, the ratio to ``fsdp2``, and the share of step time spent in FSDP2's
+layout-conversion kernels (``chunk_cat``, ``split_with_sizes_copy``,
+``all_gather_copy_in``) in one profiled step.
+
+Profiling (``--profile auto``: on with CUDA; TorchTitan 0.2.2 cannot profile on CPU):
+the round-1 run of each mode profiles its last step through TorchTitan's
+``[profiling]`` options (profiler warm-up on the step before), and those two steps are
+left out of its median. The per-rank chrome traces are parsed, not kept.
+
+Writes ``<date>_<machine>_<commit>_step_<config>.{json,md,png}``:
 
     python scripts/bench/bench_step.py --out-dir bench/results \\
-        [--config h200x2_llama70b_4layers] [--modes fsdp2,tide] [--steps 15] [--rounds 2]
+        [--config h200x2_llama70b_4layers] [--modes fsdp2,symm_mem,tide] [--steps 15] \\
+        [--rounds 2] [--profile auto|on|off]
 """
 
 from __future__ import annotations
@@ -18,28 +30,82 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common
 
 REPO = Path(__file__).resolve().parents[2]
+TRACE_FOLDER = "profile_traces"
+PROFILED_STEPS = 2  # the profiler's warm-up step and its active (last) step
+
+COLUMNS_AFTER_ROUNDS = [
+    ("best_step_ms", "best step ms"),
+    ("speedup_vs_fsdp2", "speed-up vs fsdp2"),
+    ("tokens_per_s", "tokens/s"),
+    ("mfu_pct", "MFU %"),
+    ("peak_reserved_gib", "peak GiB"),
+    ("peak_mem_delta_gib", "peak vs fsdp2 GiB"),
+    ("layout_ms", "layout-conversion ms/step"),
+    ("layout_share_pct", "layout share %"),
+    ("first_loss", "first loss"),
+    ("last_loss", "last loss"),
+    ("error", "error"),
+]
 
 
-def run_once(config: str, mode: str, steps: int, dump_folder: Path, log_path: Path) -> int:
+def profile_args(steps: int) -> list[str]:
+    """TorchTitan overrides that profile the last of ``steps`` steps (warm-up: the one before)."""
+    return [
+        "--profiling.enable_profiling",
+        "--profiling.save_traces_folder",
+        TRACE_FOLDER,
+        "--profiling.profile_freq",
+        str(steps),
+        "--profiling.profiler_warmup",
+        "1",
+        "--profiling.profiler_active",
+        "1",
+    ]
+
+
+def run_once(
+    config: str,
+    mode: str,
+    steps: int,
+    dump_folder: Path,
+    log_path: Path,
+    extra_args: Sequence[str] = (),
+) -> int:
     """One training run; returns its exit code (output in ``log_path``)."""
-    cmd = [str(REPO / "run_train.sh"), "--config", config, "--tide.comm", mode,
-           "--training.steps", str(steps), "--job.dump_folder", str(dump_folder),
-           "--metrics.log_freq", "1"]
+    cmd = [
+        str(REPO / "run_train.sh"),
+        "--config",
+        config,
+        "--tide.comm",
+        mode,
+        "--training.steps",
+        str(steps),
+        "--job.dump_folder",
+        str(dump_folder),
+        "--metrics.log_freq",
+        "1",
+        *extra_args,
+    ]
     with open(log_path, "w") as log:
         return subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
 
-def summarize_run(records: list[dict], warmup: int) -> dict:
-    """Median step figures of one run's metrics records (steps after ``warmup``)."""
-    timed = [r for r in records if r["step"] > warmup] or records
+def summarize_run(records: list[dict], warmup: int, profiled_steps: int = 0) -> dict:
+    """Median step figures of one run's metrics records: steps after ``warmup`` and
+    before the last ``profiled_steps`` (slowed by the profiler)."""
+    last = max(r["step"] for r in records)
+    timed = [r for r in records if warmup < r["step"] <= last - profiled_steps] or records
     return {
         "steps": len(records),
+        "timed_steps": [r["step"] for r in timed],
         "step_ms": 1000 * common.median([r["time_metrics/end_to_end(s)"] for r in timed]),
         "tokens_per_s": common.median([r["throughput(tps)"] for r in timed]),
         "mfu_pct": common.median([r["mfu(%)"] for r in timed]),
@@ -49,19 +115,59 @@ def summarize_run(records: list[dict], warmup: int) -> dict:
     }
 
 
+def layout_from_traces(trace_paths: Sequence[Path], step_ms: float | None) -> dict[str, Any]:
+    """Layout-conversion time of the profiled step (``common.layout_conversion``) per
+    rank trace and their mean; ``share_pct`` = mean ms / ``step_ms`` (the run's
+    unprofiled median). Also NCCL kernel and memcpy ms from the same traces."""
+    per_rank = {}
+    for path in sorted(trace_paths):
+        events = common.load_chrome_trace(path)
+        layout = common.layout_conversion(events)
+        device = common.summarize_device_events(common.device_events(events), sm_count=0, top=0)
+        layout.update(nccl_kernel_ms=device["nccl_kernel_ms"], memcpy_ms=device["memcpy_ms"])
+        per_rank[path.name.split("_")[0]] = layout
+    if not per_rank:
+        return {"error": "no profiler trace found"}
+    keys = [k for k in next(iter(per_rank.values())) if k != "rows"]
+    mean = {k: sum(r[k] for r in per_rank.values()) / len(per_rank) for k in keys}
+    mean["share_pct"] = 100 * mean["total_ms"] / step_ms if step_ms else None
+    return {**mean, "per_rank": per_rank}
+
+
+def find_traces(dump_folder: Path) -> list[Path]:
+    """Per-rank chrome traces TorchTitan wrote under ``dump_folder`` (json or json.gz)."""
+    folder = dump_folder / TRACE_FOLDER
+    return sorted(folder.glob("**/rank*_trace.json")) + sorted(
+        folder.glob("**/rank*_trace.json.gz")
+    )
+
+
 def compare(runs: dict[str, list[dict]]) -> list[dict]:
-    """One row per mode: both rounds' medians, the best, and ratios to fsdp2's best."""
+    """One row per mode: each round's median, the best, ratios to fsdp2's best, and
+    the layout-conversion figures of the profiled run."""
     rows = []
     for mode, per_round in runs.items():
         ok = [r for r in per_round if "error" not in r]
-        row = {"mode": mode, "error": "; ".join(r["error"] for r in per_round if "error" in r) or None}
+        row = {
+            "mode": mode,
+            "error": "; ".join(r["error"] for r in per_round if "error" in r) or None,
+        }
         for i, result in enumerate(per_round, start=1):
             row[f"r{i}_step_ms"] = result.get("step_ms")
         if ok:
             best = min(ok, key=lambda r: r["step_ms"])
-            row.update(best_step_ms=best["step_ms"], tokens_per_s=best["tokens_per_s"],
-                       mfu_pct=best["mfu_pct"], peak_reserved_gib=max(r["peak_reserved_gib"] for r in ok),
-                       first_loss=best["first_loss"], last_loss=best["last_loss"])
+            row.update(
+                best_step_ms=best["step_ms"],
+                tokens_per_s=best["tokens_per_s"],
+                mfu_pct=best["mfu_pct"],
+                peak_reserved_gib=max(r["peak_reserved_gib"] for r in ok),
+                first_loss=best["first_loss"],
+                last_loss=best["last_loss"],
+            )
+        layout = next((r["layout"] for r in ok if "total_ms" in r.get("layout", {})), None)
+        if layout:
+            row.update(layout_ms=layout["total_ms"], layout_share_pct=layout["share_pct"])
+            row.update({k: layout.get(f"{k}_ms") for k in common.LAYOUT_KERNELS})
         rows.append(row)
     base = next((r for r in rows if r["mode"] == "fsdp2" and r.get("best_step_ms")), None)
     for row in rows:
@@ -71,59 +177,127 @@ def compare(runs: dict[str, list[dict]]) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def columns(rounds: int) -> list[tuple[str, str]]:
+    return (
+        [("mode", "mode")]
+        + [(f"r{i}_step_ms", f"round {i} step ms") for i in range(1, rounds + 1)]
+        + COLUMNS_AFTER_ROUNDS
+    )
+
+
+def headline(config: str, rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Step ms, peak GiB and layout-conversion share by mode."""
+    out = []
+    for key, metric, better in (
+        ("best_step_ms", "step ms (best round)", "lower"),
+        ("tokens_per_s", "tokens/s", "higher"),
+        ("peak_reserved_gib", "peak reserved GiB", "lower"),
+        ("layout_share_pct", "layout-conversion share %", "lower"),
+    ):
+        values = {r["mode"]: r.get(key) for r in rows}
+        if any(v is not None for v in values.values()):
+            out.append(common.headline_row(f"step {config}", metric, values, better))
+    return out
+
+
+def write_outputs(
+    stem: Path, meta: Mapping[str, Any], args: Mapping[str, Any], runs: dict, profiled: bool
+) -> str:
+    """``<stem>.json`` / ``.md`` / ``.png`` of a finished benchmark (``args``: the
+    command line as a dict); returns the Markdown."""
+    rows = compare(runs)
+    config, rounds = args["config"], args["rounds"]
+    results = {
+        "kind": "step",
+        "metadata": dict(meta),
+        "args": dict(args),
+        "runs": runs,
+        "rows": rows,
+        "tables": [{"title": "Comm modes side by side", "columns": columns(rounds), "rows": rows}],
+        "headline": headline(config, rows),
+    }
+    notes = (
+        f"{meta['machine']}, torch {meta['torch']}, NCCL {meta['nccl']}, commit "
+        f"{meta['commit']}, {meta['date']}. Config `{config}`, {args['steps']} steps per run, "
+        f"median of steps after {args['warmup']}, TorchTitan's end-to-end step timer; modes "
+        f"interleaved over {rounds} rounds; best = fastest round. Layout conversion: device "
+        "time of chunk_cat + split_with_sizes_copy + all_gather_copy_in kernels in the last "
+        "step of each mode's round-1 run (profiled, mean over ranks; that step and the one "
+        "before are left out of the median), share = that / the run's median step."
+        + ("" if profiled else " Not profiled in this run.")
+        + "\n"
+    )
+    labels = [r["mode"] for r in rows]
+    charts = [
+        common.BarChart(
+            "step time (ms, best round)", labels, [r.get("best_step_ms") for r in rows], "ms"
+        ),
+        common.BarChart(
+            "peak reserved memory (GiB)", labels, [r.get("peak_reserved_gib") for r in rows], "GiB"
+        ),
+    ]
+    if any(r.get("layout_share_pct") is not None for r in rows):
+        charts.append(
+            common.BarChart(
+                "layout-conversion share of step (%)",
+                labels,
+                [r.get("layout_share_pct") for r in rows],
+                "%",
+            )
+        )
+    return common.write_result(stem, results, f"Training step: {config}", notes, charts)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", default="bench/results")
     parser.add_argument("--config", default="h200x2_llama70b_4layers")
-    parser.add_argument("--modes", default="fsdp2,tide")
+    parser.add_argument("--modes", default="fsdp2,symm_mem,tide")
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--profile", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--log-dir", default=os.environ.get("OUT") or tempfile.gettempdir())
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     import torch
 
     modes = args.modes.split(",")
-    world = torch.cuda.device_count() if torch.cuda.is_available() else int(os.environ.get("NGPU", 2))
+    cuda = torch.cuda.is_available()
+    world = torch.cuda.device_count() if cuda else int(os.environ.get("NGPU", "2"))
+    profile = args.profile == "on" or (args.profile == "auto" and cuda)
     meta = common.metadata(world)
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     for round_index in range(1, args.rounds + 1):
         for mode in modes:
+            profiled = profile and round_index == 1 and args.steps >= PROFILED_STEPS
             with tempfile.TemporaryDirectory() as dump:
                 log = Path(args.log_dir) / f"step_{args.config}_{mode}_r{round_index}.log"
-                code = run_once(args.config, mode, args.steps, Path(dump), log)
+                extra = profile_args(args.steps) if profiled else []
+                code = run_once(args.config, mode, args.steps, Path(dump), log, extra)
                 metrics = Path(dump) / "metrics.jsonl"
                 if code != 0 or not metrics.exists():
-                    runs[mode].append({"error": f"round {round_index}: exit {code}, see {log.name}"})
+                    runs[mode].append(
+                        {"error": f"round {round_index}: exit {code}, see {log.name}"}
+                    )
                     continue
                 records = [json.loads(line) for line in metrics.read_text().splitlines() if line]
-                runs[mode].append(summarize_run(records, args.warmup))
-            print(f"[bench_step] round {round_index} {mode}: {runs[mode][-1]}", flush=True)
+                summary = summarize_run(records, args.warmup, PROFILED_STEPS if profiled else 0)
+                if profiled:
+                    try:
+                        traces = find_traces(Path(dump))
+                        summary["layout"] = layout_from_traces(traces, summary["step_ms"])
+                    except Exception as e:  # noqa: BLE001 - a bad trace must not lose the run
+                        summary["layout"] = {"error": f"{type(e).__name__}: {e}"}
+                runs[mode].append(summary)
+            shown = {k: v for k, v in runs[mode][-1].items() if k != "layout"}
+            print(f"[bench_step] round {round_index} {mode}: {shown}", flush=True)
 
-    rows = compare(runs)
     stem = common.result_stem(args.out_dir, f"step_{args.config}", meta)
-    common.write_json(stem.with_suffix(".json"), {"metadata": meta, "args": vars(args), "runs": runs, "rows": rows})
-    columns = [("mode", "mode")] + [(f"r{i}_step_ms", f"round {i} step ms") for i in range(1, args.rounds + 1)] + [
-        ("best_step_ms", "best step ms"), ("speedup_vs_fsdp2", "speed-up vs fsdp2"),
-        ("tokens_per_s", "tokens/s"), ("mfu_pct", "MFU %"), ("peak_reserved_gib", "peak GiB"),
-        ("peak_mem_delta_gib", "peak vs fsdp2 GiB"), ("first_loss", "first loss"),
-        ("last_loss", "last loss"), ("error", "error")]
-    notes = (f"\n{meta['machine']}, torch {meta['torch']}, NCCL {meta['nccl']}, commit {meta['commit']}, "
-             f"{meta['date']}. Config `{args.config}`, {args.steps} steps per run, median of steps after "
-             f"{args.warmup}, TorchTitan's end-to-end step timer; modes interleaved over {args.rounds} rounds; "
-             "best = fastest round.\n")
-    text = common.write_markdown_table(stem.with_suffix(".md"), rows, columns,
-                                       title=f"Training step: {args.config}", extra=notes)
-    labels = [r["mode"] for r in rows]
-    common.write_bar_png(stem.with_suffix(".png"), [
-        common.BarChart(title="step time (ms, best round)", labels=labels,
-                        values=[r.get("best_step_ms") for r in rows], ylabel="ms"),
-        common.BarChart(title="peak reserved memory (GiB)", labels=labels,
-                        values=[r.get("peak_reserved_gib") for r in rows], ylabel="GiB"),
-    ], title=f"{args.config} on {meta['machine']}")
+    text = write_outputs(stem, meta, vars(args), runs, profile)
     print(text)
-    if any(row.get("error") for row in rows):
+    if any(row.get("error") for row in compare(runs)):
         sys.exit(1)
 
 

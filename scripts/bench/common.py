@@ -3,6 +3,14 @@
 Result files of one benchmark run share one stem,
 ``<out_dir>/<YYYY-MM-DD>_<machine-slug>_<commit>_<name>``, with the suffixes
 ``.json`` (everything, machine-readable), ``.md`` (tables) and ``.png`` (chart).
+A result JSON holds ``kind`` (``"ag"``, ``"collectives"``, ``"interference"``,
+``"step"``, ...), ``metadata`` (:func:`metadata`), and, for ``report.py``,
+``tables`` (``[{"title", "columns": [[key, header], ...], "rows": [...]}]``)
+and ``headline`` (:func:`headline_row` dicts).
+
+Also here: reading torch-profiler chrome traces (device rows, SM-weighted
+kernel time, kernels attributed to the CPU op or ``bench::`` range that
+launched them). Processes, timing and FSDP plumbing live in ``harness.py``.
 
 Nothing here needs a GPU: ``metadata`` asks torch about CUDA only when it is
 available, and matplotlib is imported lazily (missing -> no PNG, a warning).
@@ -10,7 +18,9 @@ available, and matplotlib is imported lazily (missing -> no PNG, a warning).
 
 from __future__ import annotations
 
+import bisect
 import datetime as _dt
+import gzip
 import json
 import math
 import os
@@ -18,24 +28,40 @@ import re
 import socket
 import statistics
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "LAYOUT_KERNELS",
+    "MODE_ORDER",
     "BarChart",
+    "bus_gibps",
+    "classify_device_event",
+    "device_events",
     "format_cell",
     "format_markdown_table",
     "git_commit",
+    "grid_ctas",
+    "headline_row",
+    "label_by_launching_op",
+    "label_by_range",
+    "layout_conversion",
+    "load_chrome_trace",
     "machine_name",
     "median",
     "metadata",
+    "min_or_none",
     "result_stem",
+    "short_error",
     "slugify",
+    "sm_weighted_us",
+    "summarize_device_events",
     "write_bar_png",
     "write_json",
     "write_markdown_table",
+    "write_result",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -262,3 +288,272 @@ def write_bar_png(path: str | os.PathLike, charts: Sequence[BarChart], title: st
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+# ---------------------------------------------------------------- numbers and result files
+
+MODE_ORDER = ("fsdp2", "symm_mem", "tide", "tide_ag")  # table/column order of comm modes
+
+
+def min_or_none(values: Iterable[float | None]) -> float | None:
+    """Smallest of the values that are not None; None if there is none."""
+    vals = [v for v in values if v is not None]
+    return min(vals) if vals else None
+
+
+def short_error(err: str | None, n: int = 90) -> str | None:
+    """First line of ``err``, cut to ``n`` characters; None stays None."""
+    if err is None:
+        return None
+    err = err.splitlines()[0] if err else err
+    return err if len(err) <= n else err[: n - 3] + "..."
+
+
+def bus_gibps(nbytes: int, world: int, ms: float | None) -> float | None:
+    """Bus bandwidth ``nbytes * (world - 1) / world / time`` in GiB/s (``nbytes``:
+    unsharded bytes of the collective); None without a positive time."""
+    if ms is None or ms <= 0:
+        return None
+    return nbytes * (world - 1) / world / (ms / 1e3) / 2**30
+
+
+def headline_row(
+    benchmark: str, metric: str, values: Mapping[str, float | None], better: str = "lower"
+) -> dict[str, Any]:
+    """One headline figure of a result: ``values`` maps comm mode -> value;
+    ``better`` ("lower" | "higher") says which way is an improvement."""
+    if better not in ("lower", "higher"):
+        raise ValueError(f"better={better!r} must be 'lower' or 'higher'")
+    return {"benchmark": benchmark, "metric": metric, "better": better, "values": dict(values)}
+
+
+def write_result(
+    stem: str | os.PathLike,
+    results: Mapping[str, Any],
+    title: str,
+    notes: str = "",
+    charts: Sequence[BarChart] = (),
+) -> str:
+    """Write ``<stem>.json`` (``results``), ``<stem>.md`` (``# title``, then every
+    table of ``results["tables"]`` under ``## <its title>``, then ``notes``) and,
+    when ``charts`` are given, ``<stem>.png``. Returns the Markdown."""
+    stem = str(stem)
+    write_json(stem + ".json", results)
+    parts = [f"# {title}\n"]
+    for table in results.get("tables", []):
+        parts.append(f"## {table['title']}\n")
+        parts.append(format_markdown_table(table["rows"], [tuple(c) for c in table["columns"]]))
+    if notes:
+        parts.append(notes if notes.endswith("\n") else notes + "\n")
+    text = "\n".join(parts)
+    Path(stem + ".md").write_text(text)
+    if charts:
+        meta = results.get("metadata", {})
+        write_bar_png(
+            stem + ".png",
+            charts,
+            f"{meta.get('machine')}, commit {meta.get('commit')}, {meta.get('date')}",
+        )
+    return text
+
+
+# ---------------------------------------------------------------- profiler traces
+
+LAYOUT_KERNELS = ("chunk_cat", "split_with_sizes_copy", "all_gather_copy_in")
+_DEVICE_CATEGORIES = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset"}
+_LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+
+
+def classify_device_event(name: str) -> str:
+    """Kind of a profiler device row by its name: ``memcpy`` (Memcpy PtoP/DtoD/...),
+    ``memset``, ``nccl_kernel`` or ``other_kernel``."""
+    n = name.lower()
+    if n.startswith("memcpy"):
+        return "memcpy"
+    if n.startswith("memset"):
+        return "memset"
+    if "nccl" in n:
+        return "nccl_kernel"
+    return "other_kernel"
+
+
+def load_chrome_trace(path: str | os.PathLike) -> list[dict]:
+    """The ``traceEvents`` of a chrome trace written by torch.profiler
+    (``.json``, or gzip-compressed ``.json.gz``)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return list(data.get("traceEvents", [])) if isinstance(data, Mapping) else list(data)
+
+
+def device_events(events: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The complete (``"ph": "X"``) device rows of a trace, by start time: kernels
+    (``cat`` ``kernel``), copies (``gpu_memcpy``) and memsets (``gpu_memset``)."""
+    rows = [e for e in events if e.get("ph") == "X" and e.get("cat") in _DEVICE_CATEGORIES]
+    return sorted(rows, key=lambda e: float(e.get("ts", 0.0)))
+
+
+def grid_ctas(event: Mapping[str, Any]) -> int | None:
+    """Thread blocks (CTAs) of a kernel row: the product of ``args["grid"]``;
+    None when the row has no grid (memcpy, memset, older traces)."""
+    grid = (event.get("args") or {}).get("grid")
+    if not grid:
+        return None
+    return int(math.prod(int(g) for g in grid))
+
+
+def sm_weighted_us(dur_us: float, ctas: int | None, sm_count: int) -> float:
+    """``dur_us * min(1, ctas / sm_count)``: a kernel with fewer CTAs than the GPU has
+    SMs occupies only that share of the SMs for its duration. Unknown CTAs count
+    as the whole GPU."""
+    if ctas is None or sm_count <= 0:
+        return float(dur_us)
+    return float(dur_us) * min(1.0, ctas / sm_count)
+
+
+def summarize_device_events(
+    rows: Iterable[Mapping[str, Any]], sm_count: int, steps: int = 1, top: int = 12
+) -> dict[str, Any]:
+    """Per-step device time (ms) of trace device rows over ``steps`` steps:
+    ``kernel_ms`` (plain sum of kernel durations), ``kernel_sm_weighted_ms``
+    (:func:`sm_weighted_us`), the same two for NCCL kernels alone, ``memcpy_ms``
+    (copy-engine time), ``memset_ms``, and the ``top`` kernels by time
+    (``name``, ``ms``, ``sm_weighted_ms``, ``ctas``, ``count``)."""
+    out = dict.fromkeys(
+        (
+            "kernel_ms",
+            "kernel_sm_weighted_ms",
+            "nccl_kernel_ms",
+            "nccl_kernel_sm_weighted_ms",
+            "memcpy_ms",
+            "memset_ms",
+        ),
+        0.0,
+    )
+    kernels: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        ms = float(row.get("dur", 0.0)) / 1e3 / steps
+        kind = _DEVICE_CATEGORIES.get(row.get("cat", ""), "kernel")
+        if kind != "kernel":
+            out[f"{kind}_ms"] += ms
+            continue
+        name = str(row.get("name", "?"))
+        ctas = grid_ctas(row)
+        weighted = sm_weighted_us(ms, ctas, sm_count)
+        out["kernel_ms"] += ms
+        out["kernel_sm_weighted_ms"] += weighted
+        if classify_device_event(name) == "nccl_kernel":
+            out["nccl_kernel_ms"] += ms
+            out["nccl_kernel_sm_weighted_ms"] += weighted
+        k = kernels.setdefault(name, {"name": name, "ms": 0.0, "sm_weighted_ms": 0.0, "count": 0})
+        k["ms"] += ms
+        k["sm_weighted_ms"] += weighted
+        k["count"] += 1
+        k["ctas"] = ctas
+    out["kernels"] = sorted(kernels.values(), key=lambda k: -k["ms"])[:top]
+    return out
+
+
+def _enclosing_labels(
+    events: Sequence[Mapping[str, Any]],
+    label_of: Callable[[str], str | None],
+    categories: Sequence[str],
+) -> dict[int, str]:
+    """Correlation id -> ``label_of(name)`` of the CPU event (``cat`` in
+    ``categories``) that encloses, on the same thread, the CUDA runtime or driver
+    call that launched the work with that correlation id."""
+    spans: dict[tuple[Any, Any], list[tuple[float, float, str]]] = {}
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in categories:
+            continue
+        label = label_of(str(e.get("name", "")))
+        if label is not None:
+            ts = float(e["ts"])
+            spans.setdefault((e.get("pid"), e.get("tid")), []).append(
+                (ts, ts + float(e.get("dur", 0.0)), label)
+            )
+    found: dict[int, str] = {}
+    for e in events:
+        corr = (e.get("args") or {}).get("correlation")
+        if e.get("cat") not in _LAUNCH_CATEGORIES or corr is None:
+            continue
+        ts = float(e.get("ts", 0.0))
+        for start, end, label in spans.get((e.get("pid"), e.get("tid")), ()):
+            if start <= ts <= end:
+                found[int(corr)] = label
+                break
+    return found
+
+
+def _correlation(row: Mapping[str, Any]) -> int | None:
+    corr = (row.get("args") or {}).get("correlation")
+    return int(corr) if corr is not None else None
+
+
+def label_by_range(
+    events: Iterable[Mapping[str, Any]], prefix: str = "bench::"
+) -> list[tuple[str, Mapping[str, Any]]]:
+    """``(label, row)`` for every device row, where the label is the name (without
+    ``prefix``) of the CPU ``record_function`` range starting with ``prefix`` that
+    launched the row (found through the launch call's correlation id); a row
+    whose launch is not in the trace gets the range that began last before the
+    row started (exact when the device is synchronized at every range boundary,
+    as the benchmarks do), ``""`` before any range."""
+    events = list(events)
+
+    def label_of(name: str) -> str | None:
+        return name[len(prefix) :] if name.startswith(prefix) else None
+
+    by_launch = _enclosing_labels(events, label_of, ("user_annotation", "cpu_op"))
+    ranges = sorted(
+        (float(e["ts"]), label)
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("cat") in ("user_annotation", "cpu_op")
+        and (label := label_of(str(e.get("name", "")))) is not None
+    )
+    starts = [ts for ts, _ in ranges]
+    out = []
+    for row in device_events(events):
+        label = by_launch.get(_correlation(row) or -1)
+        if label is None:
+            i = bisect.bisect_right(starts, float(row.get("ts", 0.0))) - 1
+            label = ranges[i][1] if i >= 0 else ""
+        out.append((label, row))
+    return out
+
+
+def label_by_launching_op(
+    events: Iterable[Mapping[str, Any]], labels: Sequence[str]
+) -> dict[int, str]:
+    """Correlation id -> the first of ``labels`` that is part of the name of a CPU
+    op (``cat`` ``cpu_op``) enclosing the launch of the work with that id."""
+
+    def label_of(name: str) -> str | None:
+        return next((lab for lab in labels if lab in name), None)
+
+    return _enclosing_labels(list(events), label_of, ("cpu_op",))
+
+
+def layout_conversion(events: Iterable[Mapping[str, Any]], steps: int = 1) -> dict[str, Any]:
+    """Per-step device ms of FSDP2's layout-conversion work in a trace: every
+    device row named after one of :data:`LAYOUT_KERNELS` (``chunk_cat``: RS
+    copy-in, ``split_with_sizes_copy``: AG copy-out, ``all_gather_copy_in``) or
+    launched inside the CPU op of that name (``all_gather_copy_in`` runs as a
+    generic ``_foreach_copy_`` kernel). Keys: each name's ms, ``total_ms``,
+    ``rows`` (device rows counted)."""
+    events = list(events)
+    by_launch = label_by_launching_op(events, LAYOUT_KERNELS)
+    out: dict[str, Any] = {f"{name}_ms": 0.0 for name in LAYOUT_KERNELS}
+    count = 0
+    for row in device_events(events):
+        name = str(row.get("name", ""))
+        label = next((lab for lab in LAYOUT_KERNELS if lab in name), None)
+        if label is None:
+            label = by_launch.get(_correlation(row) or -1)
+        if label is not None:
+            out[f"{label}_ms"] += float(row.get("dur", 0.0)) / 1e3 / steps
+            count += 1
+    out["total_ms"] = sum(out[f"{name}_ms"] for name in LAYOUT_KERNELS)
+    out["rows"] = count
+    return out

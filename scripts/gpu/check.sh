@@ -1,9 +1,20 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: GPU tests, the debug model per comm mode, the step and
-# all-gather benchmarks, then a short table. Results (JSON/MD/PNG) land in bench/results/
-# and are copied to $OUT; every log is packed into $OUT/logs.tgz.
+# One call on the GPU machine: GPU tests, the debug model per comm mode, the benchmark suite
+# (step, all-gather, collectives, interference), the report, then a short table.
 #   TIDE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/check.sh
-#   STAGES="tests train" bash scripts/gpu/check.sh
+#   STAGES="collectives interference step report" bash scripts/gpu/check.sh
+# Stages (default: all, in this order) and their rough time on 2x H200:
+#   tests         GPU-marked pytest tests (incl. every benchmark at a small size)  ~2-3 min
+#   train         debug model, every comm mode, 1 round (bench_step)               ~1.5 min
+#   step          bench_step per config in STEP_CONFIGS, all modes                 ~2.5 min/config
+#   bench         bench_ag (TIDE-AG vs stock, copy-engine batch)                   ~1 min
+#   collectives   bench_collectives (3 layers x fsdp2/symm_mem/tide/tide_ag)       ~2 min
+#   interference  bench_interference (2 GEMMs beside AG/RS x 3 modes)              ~1 min
+#   report        report.py over bench/results                                     seconds
+# Knobs: STEPS (train, 30), STEP_CONFIGS (h200x2_llama70b_4layers), STEP_STEPS (12),
+# STEP_ROUNDS (1), STEP_MODES / MODES (fsdp2,symm_mem,tide), COLL_ITERS (20), INTERF_REPS (6).
+# Results (JSON/MD/PNG) land in bench/results/; $OUT gets results.tgz (this run's result
+# files), the report (.md/.png), summary.md and logs.tgz (every log), i.e. few files.
 # Needs the wheels from scripts/gpu/fetch_wheels.sh in .whl/ (carry ".whl").
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -13,7 +24,10 @@ cd "$REPO"
 OUT="${OUT:-/tmp/tide_check}"
 LOGS=/tmp/tide_logs
 mkdir -p "$OUT" "$LOGS" bench/results
-STAGES="${STAGES:-tests train step bench}"
+STAGES="${STAGES:-tests train step bench collectives interference report}"
+MODES="${MODES:-fsdp2,symm_mem,tide}"
+MARK="$LOGS/.start"
+touch "$MARK"
 
 if [[ -d .whl ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -27,41 +41,76 @@ python3 scripts/gpu/probe.py > "$LOGS/probe.json" 2>&1
 status=0
 declare -a table
 note() { table+=("$1"); echo "$1"; }
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+# run NAME TIMEOUT_S CMD...: log to $LOGS/NAME.log, note the exit code and wall time
+run() {
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
+  local rc=$?
+  status=$(( status | rc ))
+  note "$name: exit $rc$([[ $rc == 124 ]] && echo ' (timed out)'), $(( SECONDS - t0 )) s"
+}
 
-if [[ " $STAGES " == *" tests "* ]]; then
-  python3 -m pytest -q -m gpu tests -p no:cacheprovider > "$LOGS/gpu_tests.log" 2>&1
-  rc=$?; status=$(( status | rc ))
-  note "gpu tests: exit $rc, $(tail -1 "$LOGS/gpu_tests.log")"
+if has tests; then
+  run gpu_tests 600 python3 -m pytest -q -m gpu tests -p no:cacheprovider
+  note "  $(tail -1 "$LOGS/gpu_tests.log")"
 fi
 
-if [[ " $STAGES " == *" train "* ]]; then
-  python3 scripts/bench/bench_step.py --config debug_model --steps "${STEPS:-30}" --rounds 1 \
-    --out-dir "$LOGS/debug_model" --log-dir "$LOGS" > "$LOGS/train_debug_model.log" 2>&1
-  rc=$?; status=$(( status | rc ))
-  note "debug model fsdp2 vs tide: exit $rc"
-  grep '^| ' "$LOGS/train_debug_model.log" | tee -a "$LOGS/summary_tables.md"
+if has train; then
+  run train_debug_model 400 python3 scripts/bench/bench_step.py --config debug_model \
+    --steps "${STEPS:-30}" --rounds 1 --modes "$MODES" --out-dir "$LOGS/debug_model" \
+    --log-dir "$LOGS"
 fi
 
-if [[ " $STAGES " == *" step "* ]]; then
-  python3 scripts/bench/bench_step.py --config h200x2_llama70b_4layers --steps "${STEP_STEPS:-15}" \
-    --rounds 2 --out-dir bench/results --log-dir "$LOGS" > "$LOGS/bench_step.log" 2>&1
-  rc=$?; status=$(( status | rc ))
-  note "step benchmark (70B width, 4 layers): exit $rc"
+if has step; then
+  for config in ${STEP_CONFIGS:-h200x2_llama70b_4layers}; do
+    run "step_$config" 600 python3 scripts/bench/bench_step.py --config "$config" \
+      --steps "${STEP_STEPS:-12}" --rounds "${STEP_ROUNDS:-1}" --modes "${STEP_MODES:-$MODES}" \
+      --out-dir bench/results --log-dir "$LOGS"
+  done
 fi
 
-if [[ " $STAGES " == *" bench "* ]]; then
-  timeout 300 python3 scripts/bench/bench_ag.py --out-dir bench/results > "$LOGS/bench_ag.log" 2>&1
-  rc=$?; status=$(( status | rc ))
-  note "all-gather benchmark: exit $rc"
+if has bench; then
+  run bench_ag 300 python3 scripts/bench/bench_ag.py --out-dir bench/results
 fi
 
-cp bench/results/*"$(date +%Y-%m-%d)"* "$OUT/" 2>/dev/null
+if has collectives; then
+  run bench_collectives 300 python3 scripts/bench/bench_collectives.py --out-dir bench/results \
+    --iters "${COLL_ITERS:-20}"
+fi
+
+if has interference; then
+  run bench_interference 240 python3 scripts/bench/bench_interference.py \
+    --out-dir bench/results --modes "$MODES" --reps "${INTERF_REPS:-6}"
+fi
+
+if has report; then
+  run report 120 python3 scripts/bench/report.py --results-dir bench/results
+fi
+
+# This run's result files in one archive; the report and logs beside it (few files in $OUT).
+find bench/results -maxdepth 1 -type f -newer "$MARK" -printf '%f\n' > "$LOGS/results.txt"
+tar czf "$OUT/results.tgz" -C bench/results -T "$LOGS/results.txt" 2>/dev/null
+report_md=$(find bench/results -maxdepth 1 -name '*_report.md' -newer "$MARK" | sort | tail -1)
+if [[ -n "$report_md" ]]; then
+  cp "$report_md" "${report_md%.md}.png" "$OUT/" 2>/dev/null
+fi
+
+{
+  for md in $(find bench/results "$LOGS/debug_model" -maxdepth 1 -name '*.md' \
+      ! -name '*_report.md' -newer "$MARK" 2>/dev/null | sort); do
+    echo "### $(basename "$md")"; grep '^| ' "$md" | head -14; echo
+  done
+  echo "## Summary"
+  printf '%s\n' "${table[@]}"
+  if [[ -n "$report_md" ]]; then
+    echo; echo "### Headline, mode / fsdp2 ($(basename "$report_md"))"
+    sed -n '/^## Headline/,/^## /p' "$report_md" | grep '^| '
+  fi
+} > "$LOGS/summary.md"
+cp "$LOGS/summary.md" "$OUT/summary.md"
 tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
 echo
-echo "## Summary"
-printf '%s\n' "${table[@]}"
-for md in bench/results/*"$(date +%Y-%m-%d)"*.md; do
-  [[ -e "$md" ]] || continue
-  echo; echo "### $(basename "$md")"; grep '^| ' "$md" | head -12
-done
+cat "$LOGS/summary.md"
 exit $status

@@ -119,14 +119,21 @@ class Shapes(nn.Module):
         self.unused = nn.Parameter(torch.randn(6 * width))
 
 
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _build(param_dtype: torch.dtype | None, width: int = 1) -> nn.Module:
     torch.manual_seed(0)
-    model = Shapes(width)
+    model = Shapes(width).to(_device())
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     fully_shard(model, mp_policy=mp)
-    for m in model.modules():
-        if hasattr(m, "set_force_sum_reduction_for_comms"):
-            m.set_force_sum_reduction_for_comms(True)
+    if _device().type == "cpu":  # gloo has no AVG/PREMUL_SUM
+        for m in model.modules():
+            if hasattr(m, "set_force_sum_reduction_for_comms"):
+                m.set_force_sum_reduction_for_comms(True)
     return model
 
 
@@ -165,7 +172,7 @@ def _random_grads(model, dtype, gen, skip=("unused",)) -> dict[str, torch.Tensor
             continue
         # Wide dynamic range: fp32 accumulation order matters for the bound.
         out[name] = (torch.randn(fp._orig_size, generator=gen) * 2.0 ** torch.randint(
-            -8, 8, fp._orig_size, generator=gen)).to(dtype)
+            -8, 8, fp._orig_size, generator=gen)).to(dtype).to(_device())
     return out
 
 
@@ -193,9 +200,10 @@ def _numerics_worker(rank: int, world: int, options: dict, param_dtype) -> None:
             local = param.grad.to_local()
             rows = local.shape[0]
             chunk = -(-g.shape[0] // world)
-            ref = total[name][rank * chunk : rank * chunk + rows]
+            ref = total[name][rank * chunk : rank * chunk + rows].cpu()
             # world - 1 fp32 additions, one division, one accumulation into .grad
-            bound = (world + 2) * EPS32 * magnitude[name][rank * chunk : rank * chunk + rows]
+            bound = (world + 2) * EPS32 * magnitude[name][rank * chunk : rank * chunk + rows].cpu()
+            local = local.cpu()
             assert not torch.isnan(local).any(), name
             err = (local.double() - ref).abs()
             assert (err <= bound + 1e-30).all(), (name, err.max().item())

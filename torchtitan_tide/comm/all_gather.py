@@ -20,6 +20,14 @@ Streams and ownership (CUDA):
   allocator wait for the compute stream before reusing the block after FSDP's
   ``reshard`` frees it; the compute stream reads it only after
   ``tide_all_gather_copy_out`` made it wait for the returned event.
+- Run-ahead bound: the host may issue at most ``_UNSHARDS_AHEAD`` TIDE
+  all-gathers beyond the compute stream's progress (it waits, on the host,
+  for the compute stream to reach the point where the all-gather
+  ``_UNSHARDS_AHEAD`` calls back was issued, as FSDP1's
+  ``limit_all_gathers`` did). Without it the caching allocator cannot reuse
+  blocks FSDP freed on the compute stream (their ``record_stream`` events are
+  still pending while the host runs ahead) and TIDE's pool grows by several
+  layers of unsharded parameters.
 - Writes into the storage are hidden from autograd's version counter
   (``torch.autograd._unsafe_preserve_version_counter``), exactly as FSDP's
   copy-out does, or backward fails with "modified by an inplace operation".
@@ -31,6 +39,7 @@ its event/work in ``_reset_iter_state``/``finalize_backward``) with an empty
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 from collections.abc import Callable
@@ -85,6 +94,9 @@ _debug_hooks: dict[str, Callable[[list[torch.Tensor]], None] | None] = {
 }
 
 _tide_streams: dict[torch.device, torch.Stream] = {}
+_UNSHARDS_AHEAD = 1
+# Per device: compute-stream events recorded at each TIDE all-gather's issue.
+_issue_marks: dict[torch.device, collections.deque] = {}
 _empty_outputs: dict[torch.device, torch.Tensor] = {}
 
 
@@ -128,6 +140,10 @@ def tide_all_gather(
     rank, world = plan.rank, plan.layout.world_size
     if device.type == "cuda":
         compute_stream = torch.cuda.current_stream(device)
+        marks = _issue_marks.setdefault(device, collections.deque())
+        marks.append(compute_stream.record_event())
+        while len(marks) > _UNSHARDS_AHEAD:
+            marks.popleft().synchronize()  # bound the host's run-ahead (see module doc)
         stream = _tide_stream(device)
         stream.wait_stream(all_gather_copy_in_stream)
         if all_gather_stream is not all_gather_copy_in_stream:

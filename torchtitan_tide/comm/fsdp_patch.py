@@ -53,7 +53,13 @@ from .all_gather import (
 )
 from .options import TideOptions, resolve_local_world_size
 from .plan import ParamSpec, WorldLayout, build_group_plan
-from .reduce_scatter import RSBuffers, TideRSState, rs_unsupported_reason, tide_reduce
+from .reduce_scatter import (
+    RSBuffers,
+    TideRSState,
+    rows_per_round,
+    rs_unsupported_reason,
+    tide_reduce,
+)
 from .transport import AllGatherTransport
 from .transport.copy_engine import CopyEngineTransport, SymmSlots
 from .transport.p2p import P2PTransport
@@ -306,6 +312,15 @@ def _foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, *args, *
         call.apply_defaults()
         a = call.arguments
         reason = rs_unsupported_reason(unsharded_grads, a["reduce_dtype"], a["orig_dtype"])
+        rows = 0
+        if reason is None:
+            shard_numel = sum(fp._sharded_param_data.numel() for fp in fsdp_params)
+            rows = rows_per_round(state, shard_numel, unsharded_grads[0].element_size())
+            if rows == 0:
+                reason = (
+                    f"{shard_numel} x {unsharded_grads[0].dtype} gradients per shard do not fit "
+                    "one staging row of the copy-engine slots"
+                )
         if reason is None:
             device = a["device"]
             result = tide_reduce(
@@ -313,7 +328,7 @@ def _foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, *args, *
                 a["orig_dtype"], device, a["gradient_divide_factor"], a["all_reduce_group"],
                 a["all_reduce_stream"], a["all_reduce_grads"], a["partial_reduce_output"],
                 a["all_reduce_hook"],
-                tide_stream=_tide_stream(device) if device.type == "cuda" else None,
+                tide_stream=_tide_stream(device) if device.type == "cuda" else None, rows=rows,
             )  # fmt: skip
             if _REDUCE_RETURNS_STREAM:
                 return tuple(result)

@@ -10,7 +10,7 @@ Triton) give bitwise equal results. ``rows`` is ``[R, numel]`` in any float
 dtype (bf16 gradients from peers, fp32 partials from other nodes); ``out`` is
 fp32 ``[numel]``. Both contiguous, same device.
 
-Why a persistent grid of ``num_ctas`` programs (default 4) instead of one
+Why a persistent grid of ``num_ctas`` programs (default 8) instead of one
 program per block: the kernel runs beside backward's GEMMs; a single-wave GEMM
 of up to (SM count - num_ctas) tiles still fits in one wave next to it. Each
 program strides over the whole range, so the kernel's length, not its width,
@@ -29,7 +29,11 @@ __all__ = ["accumulate_rows", "triton_status"]
 
 logger = logging.getLogger(__name__)
 
-_BLOCK = 2048  # elements per program per iteration (bf16: 4 KiB loads per row)
+# Elements per program per loop iteration, 16 warps: 32 elements (64 B of bf16)
+# per thread per row, so one iteration keeps ~64 KiB of loads in flight per SM;
+# memory parallelism, not the CTA count, sets the kernel's bandwidth.
+_BLOCK = 16384
+_NUM_WARPS = 16
 
 
 @functools.cache
@@ -91,7 +95,7 @@ def accumulate_rows(
     *,
     accumulate: bool,
     divisor: float = 1.0,
-    num_ctas: int = 4,
+    num_ctas: int = 8,
 ) -> None:
     """See the module docstring. Runs on the current stream; returns at once (CUDA).
 
@@ -121,4 +125,5 @@ def accumulate_rows(
         ACCUMULATE=accumulate,
         BLOCK=_BLOCK,
         NUM_PROGRAMS=programs,
+        num_warps=_NUM_WARPS,
     )

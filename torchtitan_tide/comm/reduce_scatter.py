@@ -51,6 +51,7 @@ __all__ = [
     "RSBuffers",
     "TideReduceResult",
     "TideRSState",
+    "rows_per_round",
     "rs_unsupported_reason",
     "set_poison",
     "tide_reduce",
@@ -161,6 +162,18 @@ def rs_unsupported_reason(
     return None
 
 
+def rows_per_round(state: TideRSState, shard_numel: int, itemsize: int) -> int:
+    """Source rows per round for a reduce of ``shard_numel`` elements of
+    ``itemsize`` bytes: ``state.rows``, fewer when the transport's staging slot
+    cannot hold them (e.g. fp32 gradients accumulated without sync in slots
+    sized for bf16: one row per round instead of two); 0 = does not fit."""
+    capacity = getattr(state.transport, "staging_capacity", None)
+    rows = min(state.rows, state.layout.local_world_size)
+    if capacity is None or shard_numel == 0:
+        return rows
+    return min(rows, capacity // (shard_numel * itemsize))
+
+
 def _cross_stream(device: torch.device) -> torch.Stream:
     if device not in _cross_streams:
         _cross_streams[device] = torch.cuda.Stream(device=device, priority=-1)
@@ -232,12 +245,14 @@ def tide_reduce(
     partial_reduce_output: torch.Tensor | None,
     all_reduce_hook,
     tide_stream: torch.Stream | None,
+    rows: int,
 ) -> TideReduceResult:
     """Reduce-scatter one FSDP group's gradients with TIDE-RS and hand the fp32
     shards to FSDP exactly as ``foreach_reduce`` does (new ``.grad`` or
     accumulation into it, post-accumulate hooks, HSDP all-reduce with its
     partial accumulation). ``unsharded_grads`` is cleared (references
-    dropped) as FSDP expects. The caller checked ``rs_unsupported_reason``."""
+    dropped) as FSDP expects. The caller checked ``rs_unsupported_reason`` and
+    chose ``rows`` (>= 1) with :func:`rows_per_round`."""
     layout, rank = state.layout, state.rank
     num_nodes, node = layout.num_nodes, layout.node_of(rank)
     grads = [g.reshape(-1) if g.is_contiguous() else g.contiguous().view(-1) for g in unsharded_grads]
@@ -268,7 +283,7 @@ def tide_reduce(
 
     with _stream_ctx(comm):
         out = _poisoned(torch.empty(shard_numel, dtype=torch.float32, device=device))
-        rounds = rs_schedule(layout, rank, state.rows)
+        rounds = rs_schedule(layout, rank, rows)
         chunk_rounds: dict[int, list[RSRound]] = {}
         for rnd in rounds:
             chunk_rounds.setdefault(rnd.chunk_node, []).append(rnd)

@@ -211,6 +211,11 @@ class CopyEngineTransport:
     def __init__(self, slots: SymmSlots) -> None:
         self.slots = slots
 
+    @property
+    def staging_capacity(self) -> int:
+        """Bytes of TIDE-RS rows one round can stage (one slot)."""
+        return self.slots.slot_bytes
+
     def gather(
         self,
         plan: GroupPlan,
