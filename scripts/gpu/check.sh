@@ -10,6 +10,7 @@
 #   bench         bench_ag (TIDE-AG vs stock, copy-engine batch)                   ~1 min
 #   collectives   bench_collectives (3 layers x fsdp2/symm_mem/tide/tide_ag)       ~2 min
 #   interference  bench_interference (2 GEMMs beside AG/RS x 3 modes)              ~1 min
+#   accumulate    bench_accumulate (TIDE-RS kernel GiB/s vs CTA count, 1 GPU)       ~20 s
 #   report        report.py over bench/results                                     seconds
 # Knobs: STEPS (train, 30), STEP_CONFIGS (h200x2_llama70b_4layers), STEP_STEPS (12),
 # STEP_ROUNDS (1), STEP_MODES / MODES (fsdp2,symm_mem,tide), COLL_ITERS (20), INTERF_REPS (6).
@@ -24,7 +25,7 @@ cd "$REPO"
 OUT="${OUT:-/tmp/tide_check}"
 LOGS=/tmp/tide_logs
 mkdir -p "$OUT" "$LOGS" bench/results
-STAGES="${STAGES:-tests train step bench collectives interference report}"
+STAGES="${STAGES:-tests train step bench accumulate collectives interference report}"
 MODES="${MODES:-fsdp2,symm_mem,tide}"
 MARK="$LOGS/.start"
 touch "$MARK"
@@ -75,8 +76,13 @@ if has bench; then
   run bench_ag 300 python3 scripts/bench/bench_ag.py --out-dir bench/results
 fi
 
+if has accumulate; then
+  run bench_accumulate 120 python3 scripts/bench/bench_accumulate.py --out-dir bench/results
+fi
+
 if has collectives; then
   run bench_collectives 300 python3 scripts/bench/bench_collectives.py --out-dir bench/results \
+    --modes "${COLL_MODES:-$MODES,tide_ag}" \
     --iters "${COLL_ITERS:-20}"
 fi
 
