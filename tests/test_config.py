@@ -29,7 +29,7 @@ def test_defaults_are_stock_fsdp2():
         ({"ag_pacing": 1.5}, ["ag_pacing", "integer"]),
         ({"metrics_jsonl": "yes"}, ["metrics_jsonl", "boolean"]),
         ({"reduce_scatter": "nccl"}, ["reduce_scatter", "'nccl'", "tide", "fsdp2"]),
-        ({"rs_ctas": 0}, ["rs_ctas", ">= 1"]),
+        ({"rs_ctas": -1}, ["rs_ctas", ">= 0"]),
         ({"rs_rows": "2"}, ["rs_rows", "integer"]),
         ({"rs_inflight": 0}, ["rs_inflight", ">= 1"]),
         ({"slot_reuse": 1}, ["slot_reuse", "boolean"]),

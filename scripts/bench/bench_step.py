@@ -79,13 +79,19 @@ def run_once(
     log_path: Path,
     extra_args: Sequence[str] = (),
 ) -> int:
-    """One training run; returns its exit code (output in ``log_path``)."""
+    """One training run; returns its exit code (output in ``log_path``). ``mode`` is
+    a comm mode, optionally with ``[tide]`` overrides: ``tide+rs_ctas=0+slot_reuse=false``."""
+    comm_mode, *overrides = mode.split("+")
+    for item in overrides:
+        key, _, value = item.partition("=")
+        extra_args = [*extra_args, f"--tide.{key}", value] if value not in ("true", "false") else [
+            *extra_args, f"--tide.{key}" if value == "true" else f"--tide.no-{key}"]  # fmt: skip
     cmd = [
         str(REPO / "run_train.sh"),
         "--config",
         config,
         "--tide.comm",
-        mode,
+        comm_mode,
         "--training.steps",
         str(steps),
         "--job.dump_folder",

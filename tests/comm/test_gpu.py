@@ -131,8 +131,8 @@ def _gpu_rs_numerics(rank: int, world_size: int, options: dict) -> None:
 @pytest.mark.parametrize(
     "options",
     [{}, {"local_world_size": 1}, {"transport": "nccl_p2p", "local_world_size": 1},
-     {"slot_reuse": False}],
-    ids=["copy_engine", "copy_engine-2x1", "nccl_p2p-2x1", "own-slots"],
+     {"slot_reuse": False}, {"rs_ctas": 0}, {"rs_rows": 1, "rs_ctas": 1}],
+    ids=["copy_engine", "copy_engine-2x1", "nccl_p2p-2x1", "own-slots", "short-ctas", "rows1"],
 )
 def test_gpu_rs_numerics(options):
     spawn(_gpu_rs_numerics, 2, options, device_type="cuda")

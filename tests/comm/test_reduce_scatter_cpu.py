@@ -85,10 +85,11 @@ def test_accumulate_kernel_triton_interpreter_matches_torch():
         prev = torch.randn(5000, generator=g)
         for accumulate in (False, True):
             for divisor in (1.0, 3.0):
-                a, b = prev.clone(), prev.clone()
+                a, b, c = prev.clone(), prev.clone(), prev.clone()
                 accumulate_rows(rows, a, accumulate=accumulate, divisor=divisor, num_ctas=3)
+                accumulate_rows(rows, c, accumulate=accumulate, divisor=divisor, num_ctas=0)
                 _torch_accumulate(rows, b, accumulate, divisor)
-                assert torch.equal(a, b), (accumulate, divisor)
+                assert torch.equal(a, b) and torch.equal(c, b), (accumulate, divisor)
                 ref = (prev.double() * accumulate + rows.double().sum(0)) / divisor
                 mag = (prev.double().abs() * accumulate + rows.double().abs().sum(0)) / divisor
                 assert ((a.double() - ref).abs() <= 5 * 2**-24 * mag + 1e-30).all()

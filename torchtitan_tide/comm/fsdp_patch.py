@@ -147,14 +147,18 @@ def _packed_bytes(param_group) -> int:
     return total
 
 
-def _shard_bytes(param_group) -> int:
-    """Bytes of one rank's gradient shard of a group in the gradient dtype (=
-    the all-gather dtype: FSDP2 computes gradients in ``param_dtype``): one
-    TIDE-RS staging row."""
-    return sum(
-        fp._sharded_param_data.numel() * _ag_dtype(fp, param_group.mp_policy).itemsize
-        for fp in param_group.fsdp_params
-    )
+def _shard_bytes(param_group, which: str) -> int:
+    """Bytes of one rank's gradient shard of a group: ``which="grad"`` in the
+    gradient dtype (= the all-gather dtype: FSDP2 computes gradients in
+    ``param_dtype``), ``"reduce"`` in the reduce dtype (FSDP accumulates
+    unsynced gradients in it). One TIDE-RS staging row."""
+    total = 0
+    for fp in param_group.fsdp_params:
+        dtype = _ag_dtype(fp, param_group.mp_policy)
+        if which == "reduce":
+            dtype = param_group.mp_policy.reduce_dtype or fp._sharded_param_data.dtype
+        total += fp._sharded_param_data.numel() * dtype.itemsize
+    return total
 
 
 def _one_node_p2p_ok(device: torch.device) -> tuple[bool, str]:
@@ -440,9 +444,13 @@ def install(model: nn.Module, options: TideOptions) -> None:
                 "tide option transport='nccl_p2p'"
             )
         ag_bytes = layout.num_nodes * max(_packed_bytes(pg) for pg in pgs)
-        rs_bytes = min(options.rs_rows, layout.local_world_size) * max(
-            _shard_bytes(pg) for pg in pgs
-        )
+        # rs_rows rows of gradients, and at least one row of fp32 gradients that
+        # FSDP accumulated (in the reduce dtype) over steps without sync.
+        rs_bytes = max(
+            max(min(options.rs_rows, layout.local_world_size) * _shard_bytes(pg, "grad"),
+                _shard_bytes(pg, "reduce"))
+            for pg in pgs
+        )  # fmt: skip
         shared = tide_rs and options.slot_reuse
         slots_by_key[key] = SymmSlots.create(
             max(ag_bytes, rs_bytes) if shared else ag_bytes, node_group, key[1]

@@ -10,11 +10,17 @@ Triton) give bitwise equal results. ``rows`` is ``[R, numel]`` in any float
 dtype (bf16 gradients from peers, fp32 partials from other nodes); ``out`` is
 fp32 ``[numel]``. Both contiguous, same device.
 
-Why a persistent grid of ``num_ctas`` programs (default 8) instead of one
-program per block: the kernel runs beside backward's GEMMs; a single-wave GEMM
-of up to (SM count - num_ctas) tiles still fits in one wave next to it. Each
-program strides over the whole range, so the kernel's length, not its width,
-grows with the gradient size.
+Two launch shapes (``num_ctas``):
+
+- ``num_ctas > 0``: a persistent grid of that many programs, each striding
+  over the whole range: the kernel never takes more than ``num_ctas`` SMs, and
+  its length, not its width, grows with the gradient size. Measured on H200
+  (bench_accumulate): about 28 GB/s per CTA, so the SM-weighted cost (time x
+  CTAs / SMs) is the same for any count; fewer CTAs = longer.
+- ``num_ctas == 0``: short-lived programs, one block (``_BLOCK`` elements,
+  microseconds) each, scheduled by the hardware on whatever SMs are free. Run
+  on a low-priority stream (TIDE-RS does), a concurrent GEMM's CTAs are
+  scheduled first and never wait behind a long-lived accumulate CTA.
 """
 
 from __future__ import annotations
@@ -98,6 +104,7 @@ def accumulate_rows(
     num_ctas: int = 8,
 ) -> None:
     """See the module docstring. Runs on the current stream; returns at once (CUDA).
+    ``num_ctas``: persistent programs, or 0 for one short program per block.
 
     ``divisor`` 1.0 skips nothing on the Triton path (x / 1.0 is exact) and the
     division on the torch path."""
@@ -114,7 +121,8 @@ def accumulate_rows(
     if kernel is None:
         _torch_accumulate(rows, out, accumulate, float(divisor))
         return
-    programs = max(1, min(num_ctas, -(-numel // _BLOCK)))
+    blocks = -(-numel // _BLOCK)
+    programs = blocks if num_ctas == 0 else max(1, min(num_ctas, blocks))
     kernel[(programs,)](
         rows,
         rows.stride(0),

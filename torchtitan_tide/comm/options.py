@@ -43,8 +43,9 @@ class TideOptions:
         the cross-node phase over point-to-point). ``"fsdp2"``: keep FSDP2's
         own reduce-scatter (TIDE-AG only).
     rs_ctas:
-        Programs (CTAs) of the TIDE-RS accumulate kernel. Few on purpose: it
-        runs beside backward's GEMMs and must not take a wave from them.
+        Programs (CTAs) of the TIDE-RS accumulate kernel: ``N > 0`` persistent
+        CTAs (never more than N SMs), ``0`` short-lived CTAs, one per block
+        (see ``kernels``).
     rs_rows:
         Source rows per staging slot: how many node-local peers' gradient
         slices are summed per kernel pass. Buffer = ``rs_rows`` x the largest
@@ -90,10 +91,10 @@ class TideOptions:
                 f"tide option reduce_scatter={self.reduce_scatter!r} is not one of "
                 f"{REDUCE_SCATTERS}; 'fsdp2' keeps FSDP2's reduce-scatter"
             )
-        for name in ("rs_ctas", "rs_rows", "rs_inflight"):
+        for name, minimum in (("rs_ctas", 0), ("rs_rows", 1), ("rs_inflight", 1)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"tide option {name}={value!r} must be an int >= 1")
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"tide option {name}={value!r} must be an int >= {minimum}")
         if not isinstance(self.slot_reuse, bool):
             raise ValueError(f"tide option slot_reuse={self.slot_reuse!r} must be True or False")
 

@@ -60,6 +60,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _cross_streams: dict[torch.device, torch.Stream] = {}
+_accumulate_streams: dict[torch.device, torch.Stream] = {}
 # Tests: a value written into every output, partial and staging buffer before
 # TIDE-RS writes it (e.g. NaN), so an element it fails to write shows.
 _poison: dict[str, float | None] = {"value": None}
@@ -178,6 +179,31 @@ def _cross_stream(device: torch.device) -> torch.Stream:
     if device not in _cross_streams:
         _cross_streams[device] = torch.cuda.Stream(device=device, priority=-1)
     return _cross_streams[device]
+
+
+def _accumulate_stream(device: torch.device) -> torch.Stream:
+    """A stream of the lowest priority (0, that of the compute stream), unlike
+    TIDE's and FSDP's communication streams (-1): the block scheduler does not
+    put accumulate CTAs ahead of the compute stream's GEMM CTAs."""
+    if device not in _accumulate_streams:
+        _accumulate_streams[device] = torch.cuda.Stream(device=device, priority=0)
+    return _accumulate_streams[device]
+
+
+def _accumulate_phase1(rows: torch.Tensor, target: torch.Tensor, first: bool, divisor: float,
+                       ctas: int) -> None:
+    """The phase-1 kernel on the low-priority accumulate stream (CUDA), ordered
+    after the round's copies and before anything the current stream does next
+    (the next round's barrier must not let peers overwrite ``rows`` early)."""
+    if rows.device.type != "cuda":
+        kernels.accumulate_rows(rows, target, accumulate=not first, divisor=divisor, num_ctas=ctas)
+        return
+    comm = torch.cuda.current_stream(rows.device)
+    side = _accumulate_stream(rows.device)
+    side.wait_stream(comm)
+    with torch.cuda.stream(side):
+        kernels.accumulate_rows(rows, target, accumulate=not first, divisor=divisor, num_ctas=ctas)
+    comm.wait_stream(side)
 
 
 def _stream_ctx(stream: torch.Stream | None):
@@ -299,9 +325,7 @@ def tide_reduce(
                     layout, rank, rnd, grads, segments, shard_numel, state.group
                 )
                 divisor = final_divisor if (own and num_nodes == 1 and rnd.last) else 1.0
-                kernels.accumulate_rows(
-                    rows, target, accumulate=not rnd.first, divisor=divisor, num_ctas=state.ctas
-                )
+                _accumulate_phase1(rows, target, rnd.first, divisor, state.ctas)
             if not own:
                 is_last = chunk_node == (node + num_nodes - 1) % num_nodes
                 _cross_node_step(
