@@ -39,12 +39,6 @@ def test_fsdp2_sets_force_sum_on_gloo(gloo_world_of_one, caplog):
             assert group is None or group.force_sum_reduction_for_comms
 
 
-def test_symm_mem_is_a_named_error_until_it_lands(gloo_world_of_one):
-    model = sharded_model(gloo_world_of_one)
-    with pytest.raises(CommModeError, match="'symm_mem' is not available.*issue 5"):
-        apply_comm_mode(model, Tide(comm="symm_mem", fallback="fsdp2"))
-
-
 def test_tide_needs_fsdp(gloo_world_of_one):
     with pytest.raises(CommModeError, match="needs FSDP"):
         apply_comm_mode(nn.Linear(4, 4), Tide(comm="tide"))

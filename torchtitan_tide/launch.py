@@ -16,6 +16,10 @@ LOG_RANK        local ranks whose output is shown (default 0; "0,1" or "all")
 TIDE_DEVICE     "cpu" forces CPU training even where GPUs exist
 ==============  ==============================================================
 
+``comm = "symm_mem"`` also gets ``NCCL_CTA_POLICY=2`` (NCCL's zero-CTA policy, read when a
+communicator is created: the all-gather then runs on copy engines) unless the environment
+sets another value, which is kept with a warning (:func:`comm_env`).
+
 ``--dry-run`` prints the summary and the command without running it.
 """
 
@@ -23,6 +27,7 @@ import os
 import shlex
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -35,6 +40,11 @@ MULTICAST_OFF = {
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",
 }
+
+# Set for comm = "symm_mem" before any process group exists: NCCL's zero-CTA policy, so the
+# all-gather on symmetric buffers runs on copy engines. Equal to comm/symm_mem.ZERO_CTA_ENV
+# (kept here so the launcher does not import torch.distributed; a test checks they agree).
+SYMM_MEM_ENV = {"NCCL_CTA_POLICY": "2"}
 
 
 class LaunchError(ValueError):
@@ -201,7 +211,12 @@ def _slurm_first_host() -> str | None:
 
 def torchrun_command(world: World, config_path: Path, overrides: list[str]) -> list[str]:
     log_rank = os.environ.get("LOG_RANK", "0")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world.nproc_per_node}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={world.nproc_per_node}",
+    ]
     if world.nnodes > 1:
         cmd += [
             f"--nnodes={world.nnodes}",
@@ -236,12 +251,49 @@ def parallelism_line(par: dict, values: dict[str, str], world_size: int) -> str:
     return " ".join(f"{name} {degree}" for name, degree in degrees.items())
 
 
-def summary(config_path: Path, world: World, overrides: list[str]) -> str:
+def comm_env(comm: str, environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """Variables comm mode ``comm`` needs before any process group exists: (the ones to set,
+    one note per variable). A value the environment already has is kept (with a warning
+    note when it differs from what the mode wants)."""
+    if comm != "symm_mem":
+        return {}, []
+    updates, notes = {}, []
+    for key, value in SYMM_MEM_ENV.items():
+        current = environ.get(key) or None
+        if current is None:
+            updates[key] = value
+            notes.append(
+                f"{key}={value} (set for comm = 'symm_mem': zero-CTA copy-engine all-gather)"
+            )
+        elif current == value:
+            notes.append(f"{key}={value} (from the environment)")
+        else:
+            notes.append(
+                f"WARNING: {key}={current} from the environment is kept; comm = 'symm_mem' "
+                f"wants {key}={value} (zero-CTA copy-engine all-gather), so this run is not "
+                "the documented baseline"
+            )
+    return updates, notes
+
+
+def summary(
+    config_path: Path,
+    world: World,
+    overrides: list[str],
+    *,
+    table: dict | None = None,
+    tide: Tide | None = None,
+    env_notes: list[str] | None = None,
+) -> str:
+    """The run as the launcher prints it. ``table`` (the parsed TOML), ``tide`` and
+    ``env_notes`` (from :func:`comm_env`) are derived when not given."""
     values = override_values(overrides)
-    table = load_toml(str(config_path))
+    table = load_toml(str(config_path)) if table is None else table
     model = table.get("model", {})
     par = table.get("parallelism", {})
-    tide = effective_tide(config_path, table, values)
+    tide = effective_tide(config_path, table, values) if tide is None else tide
+    if env_notes is None:
+        env_notes = comm_env(tide.comm, os.environ)[1]
 
     def pick(section: dict, section_name: str, key: str, default):
         return values.get(f"{section_name}.{key}", section.get(key, default))
@@ -250,14 +302,17 @@ def summary(config_path: Path, world: World, overrides: list[str]) -> str:
     unit = "GPUs" if world.device == "cuda" else "CPU processes"
     lines = [
         f"config      {config_path}",
-        f"model       {pick(model, 'model', 'name', 'llama3')} / flavor "
-        f"{pick(model, 'model', 'flavor', 'debugmodel')}",
+        (
+            f"model       {pick(model, 'model', 'name', 'llama3')} / flavor "
+            f"{pick(model, 'model', 'flavor', 'debugmodel')}"
+        ),
         f"world       {world.size} = {world.nnodes} node(s) x {world.nproc_per_node} {unit} "
         f"({backend}); this node rank {world.node_rank}"
         + (f", rendezvous {world.master_addr}:{world.master_port}" if world.nnodes > 1 else ""),
         "parallelism " + parallelism_line(par, values, world.size),
         f"comm        {tide.comm} (fallback {tide.fallback})"
         + (f", options {tide.comm_options()}" if tide.comm == "tide" else ""),
+        *(f"comm env    {note}" for note in env_notes),
     ]
     return "\n".join("[run_train] " + line for line in lines)
 
@@ -268,7 +323,14 @@ def main(argv: list[str] | None = None) -> int:
         config_name, dry_run, overrides = split_args(argv)
         config_path = resolve_config(config_name)
         world = detect_world()
-        print(summary(config_path, world, overrides), flush=True)
+        table = load_toml(str(config_path))
+        tide = effective_tide(config_path, table, override_values(overrides))
+        env_updates, env_notes = comm_env(tide.comm, os.environ)
+        text = summary(config_path, world, overrides, table=table, tide=tide, env_notes=env_notes)
+        print(text, flush=True)
+        for note in env_notes:
+            if note.startswith("WARNING"):
+                print(f"run_train.sh: {note}", file=sys.stderr, flush=True)
     except (LaunchError, ValueError, FileNotFoundError) as exc:
         print(f"run_train.sh: error: {exc}", file=sys.stderr)
         return 2
@@ -279,11 +341,14 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     if world.device == "cpu":
         env["TIDE_DEVICE"] = "cpu"
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world.nproc_per_node)))
+        env.setdefault(
+            "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world.nproc_per_node))
+        )
     # NVLink multicast stays off unless the caller's environment turns it on: on shared
     # hosts a multicast fault can take every GPU of the host out of service.
     for key, value in MULTICAST_OFF.items():
         env.setdefault(key, value)
+    env.update(env_updates)
     print("[run_train] multicast: " + " ".join(f"{k}={env[k]}" for k in MULTICAST_OFF), flush=True)
     return subprocess.call(cmd, env=env)
 

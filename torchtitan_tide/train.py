@@ -1,7 +1,9 @@
 """Training entry point: ``python -m torchtitan_tide.train --job.config_file X.toml [...]``.
 
 Runs TorchTitan 0.2.2's own Trainer. Before TorchTitan builds anything it:
-1. checks the TOML's ``[tide]`` table (unknown keys, bad values) and fails early;
+1. checks the TOML's ``[tide]`` table (unknown keys, bad values) and fails early, and sets
+   the environment the comm mode needs before any process group exists
+   (``comm = "symm_mem"``: ``NCCL_CTA_POLICY=2``, see ``launch.comm_env``);
 2. on machines without CUDA (or with ``TIDE_DEVICE=cpu``) switches TorchTitan to the
    CPU device (gloo process groups, CPU memory monitor, CPU MoE index kernels);
 3. registers the ``*_tide`` train specs and the ``tide_text`` dataset;
@@ -13,11 +15,14 @@ import functools
 import os
 import sys
 import types
+from collections.abc import MutableMapping
+from pathlib import Path
 
 import torch
 
-from torchtitan_tide.config import check_config_file
+from torchtitan_tide.config import load_toml
 from torchtitan_tide.device import use_cpu_device, wants_cpu
+from torchtitan_tide.launch import comm_env, effective_tide, override_values
 
 
 def config_file_from_args(args: list[str]) -> str | None:
@@ -59,11 +64,26 @@ def use_cpu_moe_kernels() -> None:
     moe_layers.torch = _TorchWithIntegerHistc("torch")
 
 
-def prepare(args: list[str]) -> str:
-    """Everything that must happen before TorchTitan's Trainer; returns the device type."""
+def check_config_and_set_comm_env(
+    args: list[str], environ: MutableMapping[str, str] = os.environ
+) -> list[str]:
+    """Validate the ``[tide]`` table of ``--job.config_file`` (with ``--tide.*`` overrides)
+    and set the variables its comm mode needs in ``environ``, before any process group
+    exists (NCCL reads ``NCCL_CTA_POLICY`` when it creates a communicator). Returns notes
+    for the log; a value the environment already has is kept."""
     config_file = config_file_from_args(args)
-    if config_file is not None:
-        check_config_file(config_file)
+    if config_file is None:
+        return []
+    tide = effective_tide(Path(config_file), load_toml(config_file), override_values(args))
+    updates, notes = comm_env(tide.comm, environ)
+    environ.update(updates)
+    return notes
+
+
+def prepare(args: list[str]) -> tuple[str, list[str]]:
+    """Everything that must happen before TorchTitan's Trainer; returns the device type
+    and the comm env notes."""
+    env_notes = check_config_and_set_comm_env(args)
     os.environ.setdefault("WANDB_MODE", "offline")
     device_type = "cpu" if wants_cpu() else "cuda"
     if device_type == "cpu":
@@ -71,11 +91,11 @@ def prepare(args: list[str]) -> str:
         use_cpu_moe_kernels()
     import torchtitan_tide.train_specs  # noqa: F401  (registers specs and dataset)
 
-    return device_type
+    return device_type, env_notes
 
 
 def main() -> None:
-    device_type = prepare(sys.argv[1:])
+    device_type, env_notes = prepare(sys.argv[1:])
     from torchtitan.tools.logging import init_logger, logger
     from torchtitan.train import Trainer
     from torchtitan.train import main as titan_main
@@ -86,6 +106,7 @@ def main() -> None:
     logger.info(
         f"torchtitan-tide: device {device_type}, torch {torch.__version__}, "
         f"{nccl_version_string()}, W&B mode {os.environ['WANDB_MODE']}"
+        + "".join(f"; comm env {note}" for note in env_notes)
     )
     titan_main(Trainer)
 

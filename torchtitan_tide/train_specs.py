@@ -22,11 +22,13 @@ from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_
 from torchtitan.tools.logging import logger
 
 from torchtitan_tide import comm
+from torchtitan_tide.comm.symm_mem import SymmMemUnavailable
 from torchtitan_tide.config import Tide
 from torchtitan_tide.data import register_dataset, resolve_asset_path
 from torchtitan_tide.metrics import build_metrics_processor_with_jsonl
 
 ParallelizeFn = Callable[[nn.Module, ParallelDims, JobConfig], nn.Module]
+
 
 class CommModeError(RuntimeError):
     """``[tide] comm`` cannot run here; the message says why and what to change."""
@@ -55,37 +57,50 @@ def apply_comm_mode(model: nn.Module, tide: Tide) -> str:
 
     Raises:
         CommModeError: the mode is not implemented yet, needs FSDP, or cannot run on
-            this backend and ``fallback`` is "none".
+            this backend or hardware (symm_mem: :class:`SymmMemUnavailable`, decided
+            alike on every rank) and ``fallback`` is "none".
     """
     mode = tide.comm
     rank = dist.get_rank()
     backend = str(dist.get_backend())
     modules = fsdp_modules(model)
     if (missing := comm.missing_reason(mode)) is not None:
-        raise CommModeError(
-            f"[tide] comm = {mode!r}: {missing}. Use comm = 'fsdp2' or 'tide'."
-        )
+        raise CommModeError(f"[tide] comm = {mode!r}: {missing}. Use comm = 'fsdp2' or 'tide'.")
     if mode != "fsdp2" and not modules:
         raise CommModeError(
             f"[tide] comm = {mode!r} needs FSDP (data_parallel_shard_degree > 1 or -1), "
             "but the model has no FSDP module; use comm = 'fsdp2'"
         )
     if ignored := tide.options_ignored_by_mode():
-        logger.warning(f"[tide] options {ignored} only apply to comm = 'tide'; ignored under {mode!r}")
+        logger.warning(
+            f"[tide] options {ignored} only apply to comm = 'tide'; ignored under {mode!r}"
+        )
 
     reason = unavailable_reason(mode, backend)
     if reason is not None:
         if tide.fallback != "fsdp2":
-            raise CommModeError(f"{reason}. Set [tide] fallback = 'fsdp2' to run stock FSDP2 instead.")
-        logger.warning(f"[rank {rank}] {reason}; falling back to comm = 'fsdp2' as [tide] fallback asks")
+            raise CommModeError(
+                f"{reason}. Set [tide] fallback = 'fsdp2' to run stock FSDP2 instead."
+            )
+        logger.warning(
+            f"[rank {rank}] {reason}; falling back to comm = 'fsdp2' as [tide] fallback asks"
+        )
         mode = "fsdp2"
 
     if "gloo" in backend:
         for module in modules:
             module.set_force_sum_reduction_for_comms(True)
 
-    if mode == "tide":
-        comm.apply(model, mode="tide", **tide.comm_options())
+    if mode != "fsdp2":
+        try:
+            comm.apply(model, mode=mode, **tide.comm_options())
+        except SymmMemUnavailable as exc:  # raised alike on every rank of the FSDP group
+            if tide.fallback != "fsdp2":
+                raise CommModeError(str(exc)) from exc
+            logger.warning(
+                f"[rank {rank}] {exc}; falling back to comm = 'fsdp2' as [tide] fallback asks"
+            )
+            mode = "fsdp2"
     logger.info(
         f"[rank {rank}] comm mode {mode!r} on {len(modules)} FSDP modules "
         f"(backend {backend}, {nccl_version_string()})"

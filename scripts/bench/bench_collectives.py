@@ -73,9 +73,9 @@ MODES: dict[str, ModeSpec] = {
     "symm_mem": ModeSpec("symm_mem", {}, "FSDP2, buffers in symmetric memory, NCCL_CTA_POLICY=2"),
     "tide": ModeSpec("tide", {"reduce_scatter": "tide"}, "TIDE-AG + TIDE-RS"),
     "tide_ag": ModeSpec("tide", {"reduce_scatter": "fsdp2"}, "TIDE-AG + FSDP2's reduce-scatter"),
-    # TIDE-RS accumulate launch shapes (tide = the default, rs_ctas=8).
+    # TIDE-RS accumulate launch shapes (tide = the default: short-lived CTAs, rs_ctas=0).
+    "tide_ctas8": ModeSpec("tide", {"rs_ctas": 8}, "TIDE, accumulate on 8 persistent CTAs"),
     "tide_ctas32": ModeSpec("tide", {"rs_ctas": 32}, "TIDE, accumulate on 32 persistent CTAs"),
-    "tide_short": ModeSpec("tide", {"rs_ctas": 0}, "TIDE, short-lived accumulate CTAs"),
 }
 CPU_MODES = ("fsdp2", "tide")  # gloo: symm_mem needs NCCL
 ROUNDS = 2

@@ -94,10 +94,12 @@ def slugify(text: str) -> str:
 
 
 def git_commit(repo_dir: str | os.PathLike | None = None) -> str:
-    """Short commit of ``repo_dir`` (default: this repository) from
-    ``git rev-parse --short HEAD``; else ``$TIDE_COMMIT`` (set it where the tree is a copy
-    without ``.git``, e.g. on the GPU machine); else ``"unknown"``."""
-    fallback = os.environ.get("TIDE_COMMIT") or "unknown"
+    """``$TIDE_COMMIT`` when set (the GPU machine runs a copy of the tree whose
+    ``git`` may answer for another checkout); else the short commit of ``repo_dir``
+    (default: this repository) from ``git rev-parse --short HEAD``; else ``"unknown"``."""
+    if os.environ.get("TIDE_COMMIT"):
+        return os.environ["TIDE_COMMIT"]
+    fallback = "unknown"
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],

@@ -20,9 +20,7 @@ def test_apply_on_non_fsdp_model_raises():
 def test_modes():
     with pytest.raises(ValueError, match=r"unknown comm mode 'nccl'.*fsdp2.*symm_mem.*tide"):
         comm.apply(nn.Linear(2, 2), "nccl")
-    with pytest.raises(
-        NotImplementedError, match=r"comm='symm_mem' is not available yet \(issue 5\)"
-    ):
+    with pytest.raises(ValueError, match="no FSDP2 module"):
         comm.apply(nn.Linear(2, 2), "symm_mem")
     model = nn.Linear(2, 2)
     comm.apply(model, "fsdp2")  # no-op, logged
@@ -34,15 +32,15 @@ def test_modes():
 def test_register_mode():
     seen = []
     comm.register_mode(
-        "symm_mem", lambda m, **o: seen.append(("apply", o)), lambda m: seen.append("rm")
+        "test_mode", lambda m, **o: seen.append(("apply", o)), lambda m: seen.append("rm")
     )
     try:
         model = nn.Linear(2, 2)
-        comm.apply(model, "symm_mem", x=1)
+        comm.apply(model, "test_mode", x=1)
         comm.remove(model)
         assert seen == [("apply", {"x": 1}), "rm"]
     finally:
-        comm._MODES.pop("symm_mem")
+        comm._MODES.pop("test_mode")
 
 
 def test_options_validation():

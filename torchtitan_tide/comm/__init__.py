@@ -5,7 +5,10 @@
 
 Modes: ``"fsdp2"`` (stock, no-op), ``"tide"`` (TIDE-AG: zero-copy all-gather
 into per-parameter storage; options in :class:`TideOptions`) and
-``"symm_mem"`` (registered by its own module, see :func:`register_mode`).
+``"symm_mem"`` (stock FSDP2 with its all-gather / reduce-scatter buffers in
+NCCL symmetric memory, zero-CTA copy-engine all-gather; ``comm/symm_mem.py``,
+options in :class:`~.symm_mem.SymmMemOptions`, registered below with
+:func:`register_mode`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from . import fsdp_patch
+from . import fsdp_patch, symm_mem
 from .options import TideOptions
 
 __all__ = [
@@ -54,13 +57,16 @@ _MODES: dict[str, tuple[ApplyFn, RemoveFn]] = {
     "tide": (_apply_tide, fsdp_patch.uninstall),
 }
 # Known modes that are not built yet: name -> message.
-_PLANNED: dict[str, str] = {"symm_mem": "comm='symm_mem' is not available yet (issue 5)"}
+_PLANNED: dict[str, str] = {}
 
 
 def register_mode(name: str, apply_fn: ApplyFn, remove_fn: RemoveFn) -> None:
     """Register (or replace) a comm mode. ``apply_fn(model, **options)`` must
     raise ``ValueError`` on bad options; ``remove_fn(model)`` must undo it."""
     _MODES[name] = (apply_fn, remove_fn)
+
+
+register_mode("symm_mem", symm_mem.apply, symm_mem.remove)
 
 
 def missing_reason(mode: str) -> str | None:

@@ -101,7 +101,7 @@ def accumulate_rows(
     *,
     accumulate: bool,
     divisor: float = 1.0,
-    num_ctas: int = 8,
+    num_ctas: int = 0,
 ) -> None:
     """See the module docstring. Runs on the current stream; returns at once (CUDA).
     ``num_ctas``: persistent programs, or 0 for one short program per block.

@@ -64,7 +64,7 @@ class TideOptions:
     local_world_size: int | None = None
     pacing: int = 0
     reduce_scatter: str = "tide"
-    rs_ctas: int = 8
+    rs_ctas: int = 0
     rs_rows: int = 2
     rs_inflight: int = 2
     slot_reuse: bool = True
