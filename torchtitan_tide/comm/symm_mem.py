@@ -470,13 +470,22 @@ def _probe(pg: dist.ProcessGroup, device: torch.device) -> tuple[list[str], str]
         problems += _handle_problems(handle, pg, what)
     shard = ag.narrow(0, rank * n, n)
     shard.fill_(rank + 1)
-    _all_gather_flat(ag, shard, group=pg)
+    k = torch.arange(world * n, device=device, dtype=torch.float32) % 1024
+    rs_in.copy_(k + rank)
+    # A synchronous NCCL collective runs on the current stream; with the zero-CTA
+    # policy NCCL issues it as cudaMemcpyBatchAsync, which rejects the legacy
+    # default stream ("invalid argument" in ce_coll.cc, seen on 2x H200). FSDP
+    # runs its collectives on its own streams; the probe does the same.
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        _all_gather_flat(ag, shard, group=pg)
+        _reduce_scatter_flat(rs_out, rs_in, op=dist.ReduceOp.SUM, group=pg)
+    current.wait_stream(side)
     expect = torch.arange(1, world + 1, device=device, dtype=torch.float32).repeat_interleave(n)
     if not torch.equal(ag, expect):
         problems.append("all-gather on symmetric buffers returned wrong data")
-    k = torch.arange(world * n, device=device, dtype=torch.float32) % 1024
-    rs_in.copy_(k + rank)
-    _reduce_scatter_flat(rs_out, rs_in, op=dist.ReduceOp.SUM, group=pg)
     expect = k.narrow(0, rank * n, n) * world + world * (world - 1) / 2
     if not torch.equal(rs_out, expect):
         problems.append("SUM reduce-scatter on symmetric buffers returned wrong data")
