@@ -1,4 +1,4 @@
-"""End-to-end CPU training through ./run_train.sh: 2 gloo processes, comm = "fsdp2"."""
+"""End-to-end CPU training through ./run_train.sh: 2 gloo processes, comm fsdp2 and tide."""
 
 import math
 import shutil
@@ -44,3 +44,21 @@ def test_tide_matches_fsdp2_bitwise(tmp_path):
                                 "--tide.local_world_size", "1"))
     as_one_node = losses(train(tmp_path / "tide_1x2", *steps, "--tide.comm", "tide"))
     assert stock == as_two_nodes == as_one_node, (stock, as_two_nodes, as_one_node)
+
+
+def test_checkpoint_crosses_comm_modes(tmp_path):
+    """A DCP checkpoint written under fsdp2 resumes under tide (TIDE-AG + TIDE-RS) and one
+    written under tide resumes under fsdp2, each continuing like a run that stays in the
+    writing mode (within 1e-5; 2 ranks are bitwise in practice)."""
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.no-last-save-model-only"]
+    steps = ["--training.steps", "8"]
+    for written, resumed_as in (("fsdp2", "tide"), ("tide", "fsdp2")):
+        folder = tmp_path / f"{written}_straight"
+        straight = losses(train(folder, *steps, *ckpt, "--tide.comm", written))
+        resumed_folder = tmp_path / f"{written}_to_{resumed_as}"
+        shutil.copytree(folder / "checkpoint" / "step-4", resumed_folder / "checkpoint" / "step-4")
+        resumed = losses(train(resumed_folder, *steps, *ckpt, "--tide.comm", resumed_as))
+        assert sorted(resumed) == [5, 6, 7, 8]
+        for step in (5, 6, 7, 8):
+            assert math.isclose(resumed[step], straight[step], rel_tol=1e-5), (
+                written, resumed_as, step, resumed, straight)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+import common
 
 CTAS = (2, 4, 8, 16, 32, 64)
 
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[float]] = {name: [] for name in [*variants, "torch_full_grid"]}
     errors: dict[str, str] = {}
     for _round in range(2):
-        for name in results:
+        for name, times in results.items():
             ctas = variants.get(name)
             try:
                 run(ctas)
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                 if _round == 0 and not torch.equal(out, ref):
                     errors[name] = "result differs from rows[0].float() + rows[1].float()"
                 run(ctas)
-                results[name].append(_time(lambda c=ctas: run(c), args.iters))
+                times.append(_time(lambda c=ctas: run(c), args.iters))
             except Exception as e:  # noqa: BLE001 - record and go on
                 errors[name] = common.short_error(f"{type(e).__name__}: {e}")
     rows_out = []

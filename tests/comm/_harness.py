@@ -232,7 +232,7 @@ def run_parity(
                     same(a, b, f"[{scn}] step {step} param {n} differs")
             assert calls["n"] > before, f"[{scn}] TIDE-AG was never used"
             rs_calls = [
-                getattr(g, "_tide_rs_state").calls
+                g._tide_rs_state.calls
                 for _, g in fsdp_patch.fsdp_param_groups(tide)
                 if hasattr(g, "_tide_rs_state")
             ]

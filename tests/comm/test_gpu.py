@@ -66,8 +66,16 @@ def _gpu_parity(rank: int, world_size: int, options: dict, expect: str) -> None:
         ({"rs_rows": 1, "rs_ctas": 1}, "copy_engine"),
         ({"reduce_scatter": "fsdp2"}, "copy_engine"),
     ],
-    ids=["auto", "copy_engine", "copy_engine-2x1", "nccl_p2p-2x1", "nccl_p2p-1x2-paced",
-         "rs-own-slots", "rs-rows1", "ag-only"],
+    ids=[
+        "auto",
+        "copy_engine",
+        "copy_engine-2x1",
+        "nccl_p2p-2x1",
+        "nccl_p2p-1x2-paced",
+        "rs-own-slots",
+        "rs-rows1",
+        "ag-only",
+    ],
 )
 def test_gpu_parity(options, expect):
     spawn(_gpu_parity, 2, options, expect, device_type="cuda")
@@ -130,8 +138,14 @@ def _gpu_rs_numerics(rank: int, world_size: int, options: dict) -> None:
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"local_world_size": 1}, {"transport": "nccl_p2p", "local_world_size": 1},
-     {"slot_reuse": False}, {"rs_ctas": 0}, {"rs_rows": 1, "rs_ctas": 1}],
+    [
+        {},
+        {"local_world_size": 1},
+        {"transport": "nccl_p2p", "local_world_size": 1},
+        {"slot_reuse": False},
+        {"rs_ctas": 0},
+        {"rs_rows": 1, "rs_ctas": 1},
+    ],
     ids=["copy_engine", "copy_engine-2x1", "nccl_p2p-2x1", "own-slots", "short-ctas", "rows1"],
 )
 def test_gpu_rs_numerics(options):

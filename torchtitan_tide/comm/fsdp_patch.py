@@ -339,7 +339,9 @@ def _foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, *args, *
             return (result[0], result[1], *result[3:])
         if reason not in state.stock_reasons:
             state.stock_reasons.add(reason)
-            logger.warning("TIDE-RS %s: FSDP2 reduce-scatter for this reduce: %s", state.fqn, reason)
+            logger.warning(
+                "TIDE-RS %s: FSDP2 reduce-scatter for this reduce: %s", state.fqn, reason
+            )
     return _originals["foreach_reduce"](
         fsdp_params, unsharded_grads, reduce_scatter_group, *args, **kwargs
     )
@@ -512,7 +514,9 @@ def install(model: nn.Module, options: TideOptions) -> None:
             else ""
         )
         accumulate = (
-            f"{kernels.triton_status()}, {options.rs_ctas} CTAs" if device.type == "cuda" else "torch"
+            f"{kernels.triton_status()}, {options.rs_ctas} CTAs"
+            if device.type == "cuda"
+            else "torch"
         )
         decisions.append(
             f"{fqn}: TIDE-RS node-local {kind}"

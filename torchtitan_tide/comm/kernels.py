@@ -82,7 +82,7 @@ def _triton_kernel():
 
 
 def triton_status() -> str:
-    """"triton" when the CUDA path uses the Triton kernel, else why not."""
+    """ "triton" when the CUDA path uses the Triton kernel, else why not."""
     return "triton" if _triton_kernel() is not None else "torch fallback (no Triton)"
 
 

@@ -96,7 +96,9 @@ class TideOptions:
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"tide option {name}={value!r} must be an int >= {minimum}")
         if not isinstance(self.slot_reuse, bool):
-            raise ValueError(f"tide option slot_reuse={self.slot_reuse!r} must be True or False")
+            raise ValueError(  # noqa: TRY004 - every bad option is a ValueError here
+                f"tide option slot_reuse={self.slot_reuse!r} must be True or False"
+            )
 
     @classmethod
     def from_kwargs(cls, **options: object) -> TideOptions:

@@ -49,8 +49,8 @@ from .transport import global_rank
 
 __all__ = [
     "RSBuffers",
-    "TideReduceResult",
     "TideRSState",
+    "TideReduceResult",
     "rows_per_round",
     "rs_unsupported_reason",
     "set_poison",
@@ -190,8 +190,9 @@ def _accumulate_stream(device: torch.device) -> torch.Stream:
     return _accumulate_streams[device]
 
 
-def _accumulate_phase1(rows: torch.Tensor, target: torch.Tensor, first: bool, divisor: float,
-                       ctas: int) -> None:
+def _accumulate_phase1(
+    rows: torch.Tensor, target: torch.Tensor, first: bool, divisor: float, ctas: int
+) -> None:
     """The phase-1 kernel on the low-priority accumulate stream (CUDA), ordered
     after the round's copies and before anything the current stream does next
     (the next round's barrier must not let peers overwrite ``rows`` early)."""
@@ -281,7 +282,9 @@ def tide_reduce(
     chose ``rows`` (>= 1) with :func:`rows_per_round`."""
     layout, rank = state.layout, state.rank
     num_nodes, node = layout.num_nodes, layout.node_of(rank)
-    grads = [g.reshape(-1) if g.is_contiguous() else g.contiguous().view(-1) for g in unsharded_grads]
+    grads = [
+        g.reshape(-1) if g.is_contiguous() else g.contiguous().view(-1) for g in unsharded_grads
+    ]
     segments, shard_numel = rs_segments(
         [g.numel() for g in grads], [fp._sharded_param_data.numel() for fp in fsdp_params]
     )
@@ -292,7 +295,7 @@ def tide_reduce(
     if cuda:
         comm = tide_stream if state.use_tide_stream else reduce_scatter_stream
         comm.wait_stream(torch.cuda.current_stream(device))
-        for g in unsharded_grads:
+        for g in grads:  # views of autograd's gradients (or contiguous copies of them)
             g.record_stream(comm)
         cross = _cross_stream(device) if num_nodes > 1 else None
     else:
@@ -321,11 +324,11 @@ def tide_reduce(
             else:
                 slot, target = state.buffers.take_partial(shard_numel, device)
             for rnd in chunk:
-                rows = state.transport.exchange_rows(
+                staged = state.transport.exchange_rows(
                     layout, rank, rnd, grads, segments, shard_numel, state.group
                 )
                 divisor = final_divisor if (own and num_nodes == 1 and rnd.last) else 1.0
-                _accumulate_phase1(rows, target, rnd.first, divisor, state.ctas)
+                _accumulate_phase1(staged, target, rnd.first, divisor, state.ctas)
             if not own:
                 is_last = chunk_node == (node + num_nodes - 1) % num_nodes
                 _cross_node_step(

@@ -45,7 +45,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -298,6 +298,29 @@ class _SymmPoolAlloc:
             return torch.empty(size, dtype=dtype, device=device)
 
 
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _off_legacy_stream(device: torch.device, collective: Callable[[], dist.Work | None]):
+    """Run ``collective`` on the current stream, unless that is the legacy default
+    stream: with the zero-CTA policy NCCL issues a synchronous collective as
+    ``cudaMemcpyBatchAsync`` on the current stream, which rejects the legacy stream
+    ("invalid argument", seen on 2x H200 when FSDP unshards outside forward/backward,
+    e.g. an explicit ``module.unshard()``). Then it runs on a side stream that waits
+    for, and is waited by, the current one (so buffer lifetimes stay ordered)."""
+    if device.type != "cuda":
+        return collective()
+    current = torch.cuda.current_stream(device)
+    if current.cuda_stream != 0:
+        return collective()
+    side = _side_streams.setdefault(device, torch.cuda.Stream(device=device))
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        work = collective()
+    current.wait_stream(side)
+    return work
+
+
 class SymmMemAllGather(_SymmPoolAlloc, AllGather):
     """FSDP all-gather whose output buffer is symmetric memory. Runs on FSDP's all-gather
     stream (the caller's current stream); the input is a view of the output, so only the
@@ -314,7 +337,10 @@ class SymmMemAllGather(_SymmPoolAlloc, AllGather):
         async_op: bool = False,
     ) -> dist.Work | None:
         _register(output_tensor, group, "all_gather_output", self._stats)
-        return _all_gather_flat(output_tensor, input_tensor, group=group, async_op=async_op)
+        return _off_legacy_stream(
+            output_tensor.device,
+            lambda: _all_gather_flat(output_tensor, input_tensor, group=group, async_op=async_op),
+        )
 
 
 class SymmMemReduceScatter(_SymmPoolAlloc, ReduceScatter):
@@ -343,8 +369,11 @@ class SymmMemReduceScatter(_SymmPoolAlloc, ReduceScatter):
                     "does not apply (force-sum reduction was turned off?)",
                     op,
                 )
-        return _reduce_scatter_flat(
-            output_tensor, input_tensor, op=op, group=group, async_op=async_op
+        return _off_legacy_stream(
+            output_tensor.device,
+            lambda: _reduce_scatter_flat(
+                output_tensor, input_tensor, op=op, group=group, async_op=async_op
+            ),
         )
 
 
@@ -472,17 +501,12 @@ def _probe(pg: dist.ProcessGroup, device: torch.device) -> tuple[list[str], str]
     shard.fill_(rank + 1)
     k = torch.arange(world * n, device=device, dtype=torch.float32) % 1024
     rs_in.copy_(k + rank)
-    # A synchronous NCCL collective runs on the current stream; with the zero-CTA
-    # policy NCCL issues it as cudaMemcpyBatchAsync, which rejects the legacy
-    # default stream ("invalid argument" in ce_coll.cc, seen on 2x H200). FSDP
-    # runs its collectives on its own streams; the probe does the same.
-    current = torch.cuda.current_stream(device)
-    side = torch.cuda.Stream(device=device)
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        _all_gather_flat(ag, shard, group=pg)
-        _reduce_scatter_flat(rs_out, rs_in, op=dist.ReduceOp.SUM, group=pg)
-    current.wait_stream(side)
+    # FSDP runs its collectives on its own streams; the probe must not use the
+    # legacy default stream either (see _off_legacy_stream).
+    _off_legacy_stream(device, lambda: _all_gather_flat(ag, shard, group=pg))
+    _off_legacy_stream(
+        device, lambda: _reduce_scatter_flat(rs_out, rs_in, op=dist.ReduceOp.SUM, group=pg)
+    )
     expect = torch.arange(1, world + 1, device=device, dtype=torch.float32).repeat_interleave(n)
     if not torch.equal(ag, expect):
         problems.append("all-gather on symmetric buffers returned wrong data")
