@@ -302,3 +302,18 @@ def test_rs_buffer_flat_in_world_size():
     assert stock[4] == 2 * stock[2] and stock[8] == 4 * stock[2], stock  # grows with W
     assert tide[2] == tide[4] == tide[8], tide  # rs_rows x shard: flat
     assert tide[8] < stock[8]
+
+
+def test_which_reduces_take_fsdp2_path():
+    """HSDP, user all-reduce hooks, fp16 gradients and a bf16 reduce dtype keep FSDP2's path."""
+    from torchtitan_tide.comm.reduce_scatter import rs_unsupported_reason
+
+    bf16 = [torch.zeros(3, dtype=torch.bfloat16)]
+    fp32 = torch.float32
+    assert rs_unsupported_reason(bf16, fp32, fp32) is None
+    assert rs_unsupported_reason([torch.zeros(3)], None, fp32) is None  # fp32 grads, no MP
+    assert "HSDP" in rs_unsupported_reason(bf16, fp32, fp32, all_reduce_group=object())
+    assert "hook" in rs_unsupported_reason(bf16, fp32, fp32, all_reduce_hook=lambda t: None)
+    assert "float16" in rs_unsupported_reason([bf16[0].half()], fp32, fp32)
+    assert "reduce dtype" in rs_unsupported_reason(bf16, torch.bfloat16, fp32)
+    assert "mixed" in rs_unsupported_reason([bf16[0], torch.zeros(3)], fp32, fp32)

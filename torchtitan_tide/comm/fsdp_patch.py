@@ -315,7 +315,10 @@ def _foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, *args, *
         )
         call.apply_defaults()
         a = call.arguments
-        reason = rs_unsupported_reason(unsharded_grads, a["reduce_dtype"], a["orig_dtype"])
+        reason = rs_unsupported_reason(
+            unsharded_grads, a["reduce_dtype"], a["orig_dtype"], a["all_reduce_group"],
+            a["all_reduce_hook"],
+        )  # fmt: skip
         rows = 0
         if reason is None:
             shard_numel = sum(fp._sharded_param_data.numel() for fp in fsdp_params)
@@ -329,9 +332,7 @@ def _foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, *args, *
             device = a["device"]
             result = tide_reduce(
                 state, fsdp_params, unsharded_grads, a["reduce_scatter_stream"],
-                a["orig_dtype"], device, a["gradient_divide_factor"], a["all_reduce_group"],
-                a["all_reduce_stream"], a["all_reduce_grads"], a["partial_reduce_output"],
-                a["all_reduce_hook"],
+                a["orig_dtype"], device, a["gradient_divide_factor"],
                 tide_stream=_tide_stream(device) if device.type == "cuda" else None, rows=rows,
             )  # fmt: skip
             if _REDUCE_RETURNS_STREAM:

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 # memory parallelism, not the CTA count, sets the kernel's bandwidth.
 _BLOCK = 16384
 _NUM_WARPS = 16
+_logged_large = {"done": False}
 
 
 @functools.cache
@@ -64,6 +65,8 @@ def _triton_kernel():
         BLOCK: tl.constexpr,
         NUM_PROGRAMS: tl.constexpr,
     ):
+        # Offsets are int32 arithmetic below; accumulate_rows keeps every offset
+        # (rows x row_stride) under 2**31 or takes the torch path.
         pid = tl.program_id(0)
         for start in range(pid * BLOCK, numel, NUM_PROGRAMS * BLOCK):
             offs = tl.arange(0, BLOCK).to(tl.int64) + start
@@ -118,6 +121,16 @@ def accumulate_rows(
     # CPU tensors go to Triton only in its interpreter (TRITON_INTERPRET=1, tests).
     use_triton = out.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     kernel = _triton_kernel() if use_triton else None
+    if kernel is not None and rows.shape[0] * rows.stride(0) + _BLOCK >= 2**31:
+        # int32 offsets in the kernel: shards this large (> 2**31 elements over all
+        # rows) take the torch path, logged once.
+        if not _logged_large["done"]:
+            logger.warning(
+                "TIDE-RS accumulate: %d rows x %d elements exceed int32 offsets; torch ops used",
+                rows.shape[0], rows.stride(0),
+            )  # fmt: skip
+            _logged_large["done"] = True
+        kernel = None
     if kernel is None:
         _torch_accumulate(rows, out, accumulate, float(divisor))
         return

@@ -94,6 +94,11 @@ class RSBuffers:
         """The next ring slot and an fp32 view of ``numel`` elements; on CUDA the
         current stream waits until phase 2 released that slot."""
         if not self.partials or self.partials[0].numel() < numel:
+            # Phase 2 may still be sending from the old buffers (on another stream):
+            # the stream that reallocates waits for it before the memory is reused.
+            for event in self.partial_free:
+                if event is not None:
+                    torch.cuda.current_stream(device).wait_event(event)
             self.partials = [
                 torch.empty(numel, dtype=torch.float32, device=device) for _ in range(self.inflight)
             ]
@@ -146,11 +151,22 @@ class TideReduceResult(NamedTuple):
 
 
 def rs_unsupported_reason(
-    grads: list[torch.Tensor], reduce_dtype: torch.dtype | None, orig_dtype: torch.dtype | None
+    grads: list[torch.Tensor],
+    reduce_dtype: torch.dtype | None,
+    orig_dtype: torch.dtype | None,
+    all_reduce_group: dist.ProcessGroup | None = None,
+    all_reduce_hook: object = None,
 ) -> str | None:
     """Why this reduce must take FSDP2's own path, or None. TIDE-RS moves bf16
     or fp32 gradients and accumulates in fp32, so the reduce dtype must be fp32
-    (or unset with fp32 sharded parameters)."""
+    (or unset with fp32 sharded parameters). HSDP (an all-reduce group) and
+    user all-reduce hooks keep FSDP2's path: FSDP2 keeps partial sums across
+    microbatches in its own scaling convention, which a mix of paths would
+    break, and that path has no test here yet."""
+    if all_reduce_group is not None:
+        return "HSDP (replicate x shard mesh): FSDP2's reduce-scatter + all-reduce"
+    if all_reduce_hook is not None:
+        return "a user all-reduce hook is set: FSDP2's path"
     dtypes = {g.dtype for g in grads}
     if len(dtypes) != 1:
         return f"mixed gradient dtypes {sorted(str(d) for d in dtypes)}"
@@ -211,18 +227,13 @@ def _stream_ctx(stream: torch.Stream | None):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
-def _divide_factor(
-    group: dist.ProcessGroup,
-    all_reduce_group: dist.ProcessGroup | None,
-    gradient_divide_factor: float | None,
-) -> float:
+def _divide_factor(group: dist.ProcessGroup, gradient_divide_factor: float | None) -> float:
     """FSDP2's total division: ``gradient_divide_factor`` if set, else the data
-    parallel size (reduce-scatter x all-reduce group sizes). FSDP2 reaches the
-    same total through AVG / PREMUL_SUM / post-division, depending on backend."""
+    parallel (= reduce-scatter group) size. FSDP2 reaches the same total through
+    AVG / PREMUL_SUM / post-division, depending on backend."""
     if gradient_divide_factor is not None:
         return float(gradient_divide_factor)
-    size = group.size() * (all_reduce_group.size() if all_reduce_group is not None else 1)
-    return float(size)
+    return float(group.size())
 
 
 def _cross_node_step(
@@ -251,6 +262,7 @@ def _cross_node_step(
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         if cross is not None:
+            partial.record_stream(cross)  # allocated on the phase-1 stream
             state.buffers.partial_free[partial_slot] = cross.record_event()
         kernels.accumulate_rows(
             recv.view(1, -1), out, accumulate=True, divisor=divisor, num_ctas=state.ctas
@@ -266,20 +278,15 @@ def tide_reduce(
     orig_dtype: torch.dtype | None,
     device: torch.device,
     gradient_divide_factor: float | None,
-    all_reduce_group: dist.ProcessGroup | None,
-    all_reduce_stream: torch.Stream,
-    all_reduce_grads: bool,
-    partial_reduce_output: torch.Tensor | None,
-    all_reduce_hook,
     tide_stream: torch.Stream | None,
     rows: int,
 ) -> TideReduceResult:
     """Reduce-scatter one FSDP group's gradients with TIDE-RS and hand the fp32
-    shards to FSDP exactly as ``foreach_reduce`` does (new ``.grad`` or
-    accumulation into it, post-accumulate hooks, HSDP all-reduce with its
-    partial accumulation). ``unsharded_grads`` is cleared (references
-    dropped) as FSDP expects. The caller checked ``rs_unsupported_reason`` and
-    chose ``rows`` (>= 1) with :func:`rows_per_round`."""
+    shards to FSDP exactly as ``foreach_reduce`` does for a 1-D FSDP mesh (new
+    ``.grad`` or accumulation into it, post-accumulate hooks). ``unsharded_grads``
+    is cleared (references dropped) as FSDP expects. The caller checked
+    ``rs_unsupported_reason`` (which sends HSDP and all-reduce hooks to FSDP2's
+    path) and chose ``rows`` (>= 1) with :func:`rows_per_round`."""
     layout, rank = state.layout, state.rank
     num_nodes, node = layout.num_nodes, layout.node_of(rank)
     grads = [
@@ -288,9 +295,7 @@ def tide_reduce(
     segments, shard_numel = rs_segments(
         [g.numel() for g in grads], [fp._sharded_param_data.numel() for fp in fsdp_params]
     )
-    factor = _divide_factor(state.group, all_reduce_group, gradient_divide_factor)
-    # With HSDP the division waits until after the all-reduce (FSDP2's total).
-    final_divisor = factor if all_reduce_group is None else 1.0
+    final_divisor = _divide_factor(state.group, gradient_divide_factor)
     cuda = device.type == "cuda"
     if cuda:
         comm = tide_stream if state.use_tide_stream else reduce_scatter_stream
@@ -349,41 +354,6 @@ def tide_reduce(
                 out.narrow(0, seg.out_offset + valid, seg.shard_numel - valid).zero_()
     fsdp_stream = post_stream if post_stream is not None else reduce_scatter_stream
 
-    all_reduce_input = all_reduce_event = None
-    if all_reduce_group is not None:  # HSDP: FSDP2's all-reduce semantics
-        if not all_reduce_grads:
-            with _stream_ctx(post_stream):
-                if partial_reduce_output is not None:
-                    partial_reduce_output += out
-                else:
-                    partial_reduce_output = out
-                event = _record(post_stream, reduce_scatter_stream)
-            return TideReduceResult(
-                _empty(device), reduce_scatter_event, fsdp_stream, event, None, None,
-                partial_reduce_output,
-            )  # fmt: skip
-        if cuda:
-            all_reduce_stream.wait_stream(post_stream)
-            out.record_stream(all_reduce_stream)
-        with _stream_ctx(all_reduce_stream if cuda else None):
-            if partial_reduce_output is not None:
-                out += partial_reduce_output
-            dist.all_reduce(out, group=all_reduce_group, op=dist.ReduceOp.SUM)
-            if factor != 1.0:
-                out.div_(factor)
-            all_reduce_input = out
-            all_reduce_event = _record(all_reduce_stream if cuda else None, all_reduce_stream)
-        post_stream = all_reduce_stream if cuda else None
-        fsdp_stream = all_reduce_stream
-    if all_reduce_hook is not None:
-        if cuda:
-            all_reduce_stream.wait_stream(post_stream)
-            out.record_stream(all_reduce_stream)
-        with _stream_ctx(all_reduce_stream if cuda else None):
-            all_reduce_hook(out)
-        post_stream = all_reduce_stream if cuda else None
-        fsdp_stream = all_reduce_stream
-
     with _stream_ctx(post_stream):
         grad_out = out if orig_dtype in (None, torch.float32) else out.to(orig_dtype)
         for seg, fsdp_param in zip(segments, fsdp_params):
@@ -402,9 +372,8 @@ def tide_reduce(
                 hook(sharded_param)
         post_reduce_event = _record(post_stream, fsdp_stream)
     return TideReduceResult(
-        _empty(device), reduce_scatter_event, fsdp_stream, post_reduce_event,
-        all_reduce_input, all_reduce_event, None,
-    )  # fmt: skip
+        _empty(device), reduce_scatter_event, fsdp_stream, post_reduce_event, None, None, None
+    )
 
 
 def _record(stream: torch.Stream | None, fsdp_stream: torch.Stream) -> torch.Event:
