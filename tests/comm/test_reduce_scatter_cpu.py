@@ -317,3 +317,14 @@ def test_which_reduces_take_fsdp2_path():
     assert "float16" in rs_unsupported_reason([bf16[0].half()], fp32, fp32)
     assert "reduce dtype" in rs_unsupported_reason(bf16, torch.bfloat16, fp32)
     assert "mixed" in rs_unsupported_reason([bf16[0], torch.zeros(3)], fp32, fp32)
+
+
+def test_rs_push_slices_skip_padding():
+    """Rank 0 of 1x2 in its second window pushes to peer 1 rank 1's slices: the
+    13-row parameter's 6 valid rows of 7, nothing of the 1-element one."""
+    from torchtitan_tide.comm.plan import RSSlice, rs_push_slices
+
+    segments, _ = rs_segments([13 * 7, 1], [7 * 7, 1])
+    layout = WorldLayout(2, 2)
+    window = rs_schedule(layout, 0, rows=1)[1]
+    assert rs_push_slices(layout, window, segments) == [RSSlice(1, 0, 0, 49, 0, 42)]

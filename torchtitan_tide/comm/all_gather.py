@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import AllGatherResult
 
+from . import streams
 from .plan import GroupPlan
 from .transport import AllGatherTransport
 
@@ -93,11 +94,9 @@ _debug_hooks: dict[str, Callable[[list[torch.Tensor]], None] | None] = {
     "after": None,
 }
 
-_tide_streams: dict[torch.device, torch.Stream] = {}
 _UNSHARDS_AHEAD = 1
 # Per device: compute-stream events recorded at each TIDE all-gather's issue.
 _issue_marks: dict[torch.device, collections.deque] = {}
-_empty_outputs: dict[torch.device, torch.Tensor] = {}
 
 
 def set_debug_hooks(
@@ -108,18 +107,6 @@ def set_debug_hooks(
     ``after`` runs on the host after the data is complete (it synchronizes the
     TIDE stream on CUDA): for tests only."""
     _debug_hooks["before"], _debug_hooks["after"] = before, after
-
-
-def _tide_stream(device: torch.device) -> torch.Stream:
-    if device not in _tide_streams:
-        _tide_streams[device] = torch.cuda.Stream(device=device, priority=-1)
-    return _tide_streams[device]
-
-
-def _empty(device: torch.device) -> torch.Tensor:
-    if device not in _empty_outputs:
-        _empty_outputs[device] = torch.empty(0, device=device)
-    return _empty_outputs[device]
 
 
 @torch.no_grad()
@@ -144,7 +131,7 @@ def tide_all_gather(
         marks.append(compute_stream.record_event())
         while len(marks) > _UNSHARDS_AHEAD:
             marks.popleft().synchronize()  # bound the host's run-ahead (see module doc)
-        stream = _tide_stream(device)
+        stream = streams.stream("tide", device)
         stream.wait_stream(all_gather_copy_in_stream)
         if all_gather_stream is not all_gather_copy_in_stream:
             stream.wait_stream(all_gather_stream)
@@ -194,7 +181,7 @@ def tide_all_gather(
             if event is not None:
                 event.synchronize()
             hook(outputs)
-    return TideAllGatherResult(_empty(device), event, work, [], [], [])
+    return TideAllGatherResult(streams.empty_on(device), event, work, [], [], [])
 
 
 @torch.no_grad()

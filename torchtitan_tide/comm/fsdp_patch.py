@@ -47,7 +47,6 @@ from . import kernels
 from .all_gather import (
     TideAllGatherResult,
     TideGroupState,
-    _tide_stream,
     tide_all_gather,
     tide_all_gather_copy_out,
 )
@@ -60,7 +59,7 @@ from .reduce_scatter import (
     rs_unsupported_reason,
     tide_reduce,
 )
-from .transport import AllGatherTransport
+from .transport import AllGatherTransport, ReduceScatterTransport
 from .transport.copy_engine import CopyEngineTransport, SymmSlots
 from .transport.p2p import P2PTransport
 
@@ -137,27 +136,21 @@ def _param_spec(fsdp_param, mp_policy) -> ParamSpec:
     )
 
 
-def _packed_bytes(param_group) -> int:
-    """Bytes of one rank's packed shards of a group in the copy-engine slot
-    (the layout CopyEngineTransport.gather packs: 16-byte aligned per param)."""
-    total = 0
-    for fp in param_group.fsdp_params:
-        nbytes = fp._sharded_param_data.numel() * _ag_dtype(fp, param_group.mp_policy).itemsize
-        total += (nbytes + 15) // 16 * 16
-    return total
-
-
-def _shard_bytes(param_group, which: str) -> int:
-    """Bytes of one rank's gradient shard of a group: ``which="grad"`` in the
-    gradient dtype (= the all-gather dtype: FSDP2 computes gradients in
-    ``param_dtype``), ``"reduce"`` in the reduce dtype (FSDP accumulates
-    unsynced gradients in it). One TIDE-RS staging row."""
+def _shard_bytes(param_group, which: str, align: int = 1) -> int:
+    """Bytes of one rank's shards of a group, each parameter rounded up to
+    ``align`` bytes. ``which="param"``: in the all-gather dtype, which is also
+    the gradient dtype (FSDP2 computes gradients in ``param_dtype``): the
+    copy-engine slot's packed shards (``align=16``, the layout
+    ``CopyEngineTransport.gather`` packs) and one TIDE-RS staging row.
+    ``"reduce"``: in the reduce dtype, in which FSDP accumulates unsynced
+    gradients."""
     total = 0
     for fp in param_group.fsdp_params:
         dtype = _ag_dtype(fp, param_group.mp_policy)
         if which == "reduce":
             dtype = param_group.mp_policy.reduce_dtype or fp._sharded_param_data.dtype
-        total += fp._sharded_param_data.numel() * dtype.itemsize
+        nbytes = fp._sharded_param_data.numel() * dtype.itemsize
+        total += -(-nbytes // align) * align
     return total
 
 
@@ -333,7 +326,7 @@ def _foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, *args, *
             result = tide_reduce(
                 state, fsdp_params, unsharded_grads, a["reduce_scatter_stream"],
                 a["orig_dtype"], device, a["gradient_divide_factor"],
-                tide_stream=_tide_stream(device) if device.type == "cuda" else None, rows=rows,
+                rows=rows,
             )  # fmt: skip
             if _REDUCE_RETURNS_STREAM:
                 return tuple(result)
@@ -446,11 +439,11 @@ def install(model: nn.Module, options: TideOptions) -> None:
                 "group is a sub-group and torch.distributed.split_group is unavailable; use "
                 "tide option transport='nccl_p2p'"
             )
-        ag_bytes = layout.num_nodes * max(_packed_bytes(pg) for pg in pgs)
+        ag_bytes = layout.num_nodes * max(_shard_bytes(pg, "param", align=16) for pg in pgs)
         # rs_rows rows of gradients, and at least one row of fp32 gradients that
         # FSDP accumulated (in the reduce dtype) over steps without sync.
         rs_bytes = max(
-            max(min(options.rs_rows, layout.local_world_size) * _shard_bytes(pg, "grad"),
+            max(min(options.rs_rows, layout.local_world_size) * _shard_bytes(pg, "param"),
                 _shard_bytes(pg, "reduce"))
             for pg in pgs
         )  # fmt: skip
@@ -486,7 +479,7 @@ def install(model: nn.Module, options: TideOptions) -> None:
             continue
         shared = kind == "copy_engine" and options.slot_reuse
         if kind == "copy_engine" and not shared:
-            rs_transport: object = CopyEngineTransport(rs_slots_by_key[key])
+            rs_transport: ReduceScatterTransport = CopyEngineTransport(rs_slots_by_key[key])
         else:
             rs_transport = transport
         layout = plan.layout

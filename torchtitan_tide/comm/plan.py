@@ -50,6 +50,7 @@ __all__ = [
     "ParamSpec",
     "RSRound",
     "RSSegment",
+    "RSSlice",
     "WorldLayout",
     "build_group_plan",
     "chunks_for_ranks",
@@ -58,6 +59,7 @@ __all__ = [
     "node_local_exchanges",
     "pace_chunks",
     "rs_cross_node_peers",
+    "rs_push_slices",
     "rs_schedule",
     "rs_segments",
 ]
@@ -423,6 +425,37 @@ def rs_schedule(layout: WorldLayout, rank: int, rows: int) -> list[RSRound]:
                     last=j == windows - 1,
                 )
             )
+    return out
+
+
+@dataclass(frozen=True)
+class RSSlice:
+    """One non-empty slice a rank pushes in a round: ``numel`` elements of its flat
+    gradient ``param_index`` from ``src_offset``, into row ``row`` of local peer
+    ``peer``'s staging at element ``dst_offset``."""
+
+    peer: int
+    row: int
+    param_index: int
+    src_offset: int
+    dst_offset: int
+    numel: int
+
+
+def rs_push_slices(
+    layout: WorldLayout, rnd: RSRound, segments: tuple[RSSegment, ...]
+) -> list[RSSlice]:
+    """The slices a rank pushes in round ``rnd`` (every transport moves these)."""
+    out: list[RSSlice] = []
+    for peer, row in rnd.sends:
+        dst_rank = layout.rank_of(rnd.chunk_node, peer)
+        for seg in segments:
+            if (valid := seg.valid(dst_rank)) > 0:
+                out.append(
+                    RSSlice(
+                        peer, row, seg.param_index, seg.src_offset(dst_rank), seg.out_offset, valid
+                    )
+                )
     return out
 
 

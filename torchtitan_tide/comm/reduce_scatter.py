@@ -23,8 +23,8 @@ Streams and ownership (CUDA):
   reduce-scatter stream). It first waits for the compute stream (the
   gradients are ready when FSDP calls us). Gradients are read on it, so each
   gets ``record_stream(comm)`` before FSDP drops its references.
-- ``cross``: one stream per device for phase 2. The output is allocated on
-  ``comm`` and ``record_stream(cross)``-ed when phase 2 writes it.
+- ``cross``: one stream per device for phase 2 (``streams``). The output is
+  allocated on ``comm`` and ``record_stream(cross)``-ed when phase 2 writes it.
 - The output (``[sum of padded shard numels]`` fp32, FSDP's reduce-output
   layout) becomes the sharded gradients (views) exactly as in FSDP2, on the
   stream of the last write (``post_reduce_stream``), which records the
@@ -43,9 +43,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import kernels
+from . import kernels, streams
 from .plan import RSRound, WorldLayout, rs_cross_node_peers, rs_schedule, rs_segments
-from .transport import global_rank
+from .transport import ReduceScatterTransport, global_rank
 
 __all__ = [
     "RSBuffers",
@@ -59,8 +59,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_cross_streams: dict[torch.device, torch.Stream] = {}
-_accumulate_streams: dict[torch.device, torch.Stream] = {}
 # Tests: a value written into every output, partial and staging buffer before
 # TIDE-RS writes it (e.g. NaN), so an element it fails to write shows.
 _poison: dict[str, float | None] = {"value": None}
@@ -128,7 +126,7 @@ class TideRSState:
     rank: int
     group: dist.ProcessGroup
     fqn: str
-    transport: object
+    transport: ReduceScatterTransport
     buffers: RSBuffers
     rows: int
     ctas: int
@@ -191,21 +189,6 @@ def rows_per_round(state: TideRSState, shard_numel: int, itemsize: int) -> int:
     return min(rows, capacity // (shard_numel * itemsize))
 
 
-def _cross_stream(device: torch.device) -> torch.Stream:
-    if device not in _cross_streams:
-        _cross_streams[device] = torch.cuda.Stream(device=device, priority=-1)
-    return _cross_streams[device]
-
-
-def _accumulate_stream(device: torch.device) -> torch.Stream:
-    """A stream of the lowest priority (0, that of the compute stream), unlike
-    TIDE's and FSDP's communication streams (-1): the block scheduler does not
-    put accumulate CTAs ahead of the compute stream's GEMM CTAs."""
-    if device not in _accumulate_streams:
-        _accumulate_streams[device] = torch.cuda.Stream(device=device, priority=0)
-    return _accumulate_streams[device]
-
-
 def _accumulate_phase1(
     rows: torch.Tensor, target: torch.Tensor, first: bool, divisor: float, ctas: int
 ) -> None:
@@ -215,12 +198,12 @@ def _accumulate_phase1(
     if rows.device.type != "cuda":
         kernels.accumulate_rows(rows, target, accumulate=not first, divisor=divisor, num_ctas=ctas)
         return
-    comm = torch.cuda.current_stream(rows.device)
-    side = _accumulate_stream(rows.device)
-    side.wait_stream(comm)
-    with torch.cuda.stream(side):
-        kernels.accumulate_rows(rows, target, accumulate=not first, divisor=divisor, num_ctas=ctas)
-    comm.wait_stream(side)
+    streams.run_beside(
+        streams.stream("tide_rs_accumulate", rows.device),
+        lambda: kernels.accumulate_rows(
+            rows, target, accumulate=not first, divisor=divisor, num_ctas=ctas
+        ),
+    )
 
 
 def _stream_ctx(stream: torch.Stream | None):
@@ -278,7 +261,6 @@ def tide_reduce(
     orig_dtype: torch.dtype | None,
     device: torch.device,
     gradient_divide_factor: float | None,
-    tide_stream: torch.Stream | None,
     rows: int,
 ) -> TideReduceResult:
     """Reduce-scatter one FSDP group's gradients with TIDE-RS and hand the fp32
@@ -298,11 +280,11 @@ def tide_reduce(
     final_divisor = _divide_factor(state.group, gradient_divide_factor)
     cuda = device.type == "cuda"
     if cuda:
-        comm = tide_stream if state.use_tide_stream else reduce_scatter_stream
+        comm = streams.stream("tide", device) if state.use_tide_stream else reduce_scatter_stream
         comm.wait_stream(torch.cuda.current_stream(device))
         for g in grads:  # views of autograd's gradients (or contiguous copies of them)
             g.record_stream(comm)
-        cross = _cross_stream(device) if num_nodes > 1 else None
+        cross = streams.stream("tide_rs_cross", device) if num_nodes > 1 else None
     else:
         comm = cross = None
     unsharded_grads.clear()
@@ -345,16 +327,14 @@ def tide_reduce(
     post_stream = cross if cross is not None else comm
     if cross is not None:
         out.record_stream(cross)
-    # Padding elements of this rank's shard (never read by FSDP's views) are
-    # zero, as in FSDP2's reduce-scatter input.
+    fsdp_stream = post_stream if post_stream is not None else reduce_scatter_stream
     with _stream_ctx(post_stream):
+        # Padding elements of this rank's shard (never read by FSDP's views) are
+        # zero, as in FSDP2's reduce-scatter input.
         for seg in segments:
             valid = seg.valid(rank)
             if valid < seg.shard_numel:
                 out.narrow(0, seg.out_offset + valid, seg.shard_numel - valid).zero_()
-    fsdp_stream = post_stream if post_stream is not None else reduce_scatter_stream
-
-    with _stream_ctx(post_stream):
         grad_out = out if orig_dtype in (None, torch.float32) else out.to(orig_dtype)
         for seg, fsdp_param in zip(segments, fsdp_params):
             new_sharded_grad = torch.as_strided(
@@ -372,7 +352,13 @@ def tide_reduce(
                 hook(sharded_param)
         post_reduce_event = _record(post_stream, fsdp_stream)
     return TideReduceResult(
-        _empty(device), reduce_scatter_event, fsdp_stream, post_reduce_event, None, None, None
+        streams.empty_on(device),
+        reduce_scatter_event,
+        fsdp_stream,
+        post_reduce_event,
+        None,
+        None,
+        None,
     )
 
 
@@ -380,12 +366,3 @@ def _record(stream: torch.Stream | None, fsdp_stream: torch.Stream) -> torch.Eve
     """An event on ``stream`` (CUDA); on CPU FSDP's own stream object's event,
     exactly what FSDP2's ``foreach_reduce`` returns there."""
     return (stream if stream is not None else fsdp_stream).record_event()
-
-
-_empties: dict[torch.device, torch.Tensor] = {}
-
-
-def _empty(device: torch.device) -> torch.Tensor:
-    if device not in _empties:
-        _empties[device] = torch.empty(0, device=device)
-    return _empties[device]

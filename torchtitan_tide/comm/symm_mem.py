@@ -55,6 +55,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+from . import streams
 from .fsdp_patch import fsdp_param_groups
 
 __all__ = [
@@ -284,6 +285,11 @@ def _is_sum(op: object) -> bool:
 
 
 class _SymmPoolAlloc:
+    """Shared by the symm_mem comms: pool allocation and the registration counters."""
+
+    def __init__(self, stats: RegistrationStats) -> None:
+        self._stats = stats
+
     def allocate(
         self,
         size: Sequence[int | torch.SymInt],
@@ -298,9 +304,6 @@ class _SymmPoolAlloc:
             return torch.empty(size, dtype=dtype, device=device)
 
 
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
-
-
 def _off_legacy_stream(device: torch.device, collective: Callable[[], dist.Work | None]):
     """Run ``collective`` on the current stream, unless that is the legacy default
     stream: with the zero-CTA policy NCCL issues a synchronous collective as
@@ -310,24 +313,15 @@ def _off_legacy_stream(device: torch.device, collective: Callable[[], dist.Work 
     for, and is waited by, the current one (so buffer lifetimes stay ordered)."""
     if device.type != "cuda":
         return collective()
-    current = torch.cuda.current_stream(device)
-    if current.cuda_stream != 0:
+    if torch.cuda.current_stream(device).cuda_stream != 0:
         return collective()
-    side = _side_streams.setdefault(device, torch.cuda.Stream(device=device))
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        work = collective()
-    current.wait_stream(side)
-    return work
+    return streams.run_beside(streams.stream("symm_mem_side", device), collective)
 
 
 class SymmMemAllGather(_SymmPoolAlloc, AllGather):
     """FSDP all-gather whose output buffer is symmetric memory. Runs on FSDP's all-gather
     stream (the caller's current stream); the input is a view of the output, so only the
     output is rendezvoused."""
-
-    def __init__(self, stats: RegistrationStats) -> None:
-        self._stats = stats
 
     def __call__(
         self,
@@ -347,9 +341,6 @@ class SymmMemReduceScatter(_SymmPoolAlloc, ReduceScatter):
     """FSDP reduce-scatter with input and output in symmetric memory. Runs on FSDP's
     reduce-scatter stream. NCCL's symmetric reduce-scatter is SUM only: another op (force-sum
     turned off later) still runs, on NCCL's regular kernels, and is counted and logged."""
-
-    def __init__(self, stats: RegistrationStats) -> None:
-        self._stats = stats
 
     def __call__(
         self,

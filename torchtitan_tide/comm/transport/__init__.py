@@ -28,9 +28,9 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from ..plan import GroupPlan
+from ..plan import GroupPlan, RSRound, RSSegment, WorldLayout
 
-__all__ = ["AllGatherTransport", "global_rank"]
+__all__ = ["AllGatherTransport", "ReduceScatterTransport", "global_rank"]
 
 _GLOBAL_RANKS: dict[tuple[int, int], int] = {}
 
@@ -54,3 +54,22 @@ class AllGatherTransport(Protocol):
         outputs: list[torch.Tensor],
         group: dist.ProcessGroup,
     ) -> dist.Work | None: ...
+
+
+class ReduceScatterTransport(Protocol):
+    """Node-local phase of TIDE-RS: ``exchange_rows`` moves this rank's pushes of
+    one round (``plan.rs_push_slices``) and returns its received rows
+    ``[len(rnd.recvs), row_numel]`` in the gradients' dtype, complete on the
+    current stream (CUDA) or the host (gloo). Implemented by the copy-engine and
+    point-to-point transports."""
+
+    def exchange_rows(
+        self,
+        layout: WorldLayout,
+        rank: int,
+        rnd: RSRound,
+        grads: list[torch.Tensor],
+        segments: tuple[RSSegment, ...],
+        row_numel: int,
+        group: dist.ProcessGroup,
+    ) -> torch.Tensor: ...

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..plan import GroupPlan, RSRound, RSSegment, WorldLayout
+from ..plan import GroupPlan, RSRound, RSSegment, RSSlice, WorldLayout, rs_push_slices
 from . import global_rank
 
 __all__ = ["CopyEngineTransport", "SymmSlots", "batch_copy"]
@@ -335,32 +335,20 @@ class CopyEngineTransport:
         base = (slots.round % 2) * slots.slot_bytes
         slots.round += 1
         device = grads[0].device
-        me = device.index or 0
-        dsts, srcs, sizes, src_devs, dst_devs = [], [], [], [], []
-        fallback: list[tuple[int, int, RSSegment, int]] = []  # (peer, row, seg, dst_rank)
-        for peer, row in rnd.sends:
-            dst_rank = layout.rank_of(rnd.chunk_node, peer)
-            for seg in segments:
-                valid = seg.valid(dst_rank)
-                if valid == 0:
-                    continue
-                grad = grads[seg.param_index]
-                dsts.append(
-                    slots.peer_ptrs[peer] + base + (row * row_numel + seg.out_offset) * itemsize
-                )
-                srcs.append(grad.data_ptr() + seg.src_offset(dst_rank) * itemsize)
-                sizes.append(valid * itemsize)
-                src_devs.append(me)
-                dst_devs.append(slots.peer_devices[peer])
-                fallback.append((peer, row, seg, dst_rank))
-        if dsts and not _try_batch(device, dsts, srcs, sizes, src_devs, dst_devs, "TIDE-RS"):
-            for peer, row, seg, dst_rank in fallback:
-                valid = seg.valid(dst_rank)
-                dst = slots.peer_bufs[peer].narrow(
-                    0, base + (row * row_numel + seg.out_offset) * itemsize, valid * itemsize
-                )
-                src = grads[seg.param_index].narrow(0, seg.src_offset(dst_rank), valid)
-                dst.view(dtype).copy_(src)
+        pushes = rs_push_slices(layout, rnd, segments)
+
+        def dst_byte(push: RSSlice) -> int:  # byte offset in the peer's buffer
+            return base + (push.row * row_numel + push.dst_offset) * itemsize
+
+        dsts = [slots.peer_ptrs[p.peer] + dst_byte(p) for p in pushes]
+        srcs = [grads[p.param_index].data_ptr() + p.src_offset * itemsize for p in pushes]
+        sizes = [p.numel * itemsize for p in pushes]
+        dst_devs = [slots.peer_devices[p.peer] for p in pushes]
+        src_devs = [device.index or 0] * len(pushes)
+        if pushes and not _try_batch(device, dsts, srcs, sizes, src_devs, dst_devs, "TIDE-RS"):
+            for p in pushes:
+                dst = slots.peer_bufs[p.peer].narrow(0, dst_byte(p), p.numel * itemsize)
+                dst.view(dtype).copy_(grads[p.param_index].narrow(0, p.src_offset, p.numel))
         slots.handle.barrier(channel=0)
         return (
             slots.buffer.narrow(0, base, rows_used * row_numel * itemsize)

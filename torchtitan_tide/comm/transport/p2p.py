@@ -17,7 +17,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..plan import Chunk, GroupPlan, RSRound, RSSegment, WorldLayout, chunks_for_ranks, pace_chunks
+from ..plan import (
+    Chunk,
+    GroupPlan,
+    RSRound,
+    RSSegment,
+    WorldLayout,
+    chunks_for_ranks,
+    pace_chunks,
+    rs_push_slices,
+)
 from . import global_rank
 
 __all__ = ["P2PTransport"]
@@ -96,18 +105,13 @@ class P2PTransport:
         local = layout.local_of(rank)
         my_dst = layout.rank_of(rnd.chunk_node, local)
         ops: list[dist.P2POp] = []
-        for peer, row in rnd.sends:
-            dst_rank = layout.rank_of(rnd.chunk_node, peer)
-            for seg in segments:
-                valid = seg.valid(dst_rank)
-                if valid == 0:
-                    continue
-                src = grads[seg.param_index].narrow(0, seg.src_offset(dst_rank), valid)
-                if peer == local:
-                    rows[row].narrow(0, seg.out_offset, valid).copy_(src)
-                else:
-                    peer_rank = global_rank(group, layout.rank_of(layout.node_of(rank), peer))
-                    ops.append(dist.P2POp(dist.isend, src.view(torch.uint8), peer_rank, group))
+        for push in rs_push_slices(layout, rnd, segments):
+            src = grads[push.param_index].narrow(0, push.src_offset, push.numel)
+            if push.peer == local:
+                rows[push.row].narrow(0, push.dst_offset, push.numel).copy_(src)
+            else:
+                peer_rank = global_rank(group, layout.rank_of(layout.node_of(rank), push.peer))
+                ops.append(dist.P2POp(dist.isend, src.view(torch.uint8), peer_rank, group))
         for peer, row in rnd.recvs:
             if peer == local:
                 continue
