@@ -384,11 +384,12 @@ def _run_gpu(*args: str, timeout: int = 420) -> subprocess.CompletedProcess:
 @two_gpus
 def test_gpu_collectives_small(tmp_path):
     proc = _run_gpu(str(BENCH / "bench_collectives.py"), "--small", "--iters", "3", "--modes",
-                    "fsdp2,tide", "--layers", "llama70b", "--out-dir", str(tmp_path))  # fmt: skip
+                    "fsdp2,symm_mem,tide", "--layers", "llama70b", "--out-dir",
+                    str(tmp_path))  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (js,) = tmp_path.glob("*_collectives_small.json")
     rows = {r["mode"]: r for r in json.loads(js.read_text())["tables"][0]["rows"]}
-    for mode in ("fsdp2", "tide"):
+    for mode in ("fsdp2", "symm_mem", "tide"):
         row = rows[mode]
         assert row["error"] is None, row["error"]
         assert row["ag_exact"] is True and row["rs_rel_err"] <= 1e-5
@@ -400,12 +401,24 @@ def test_gpu_collectives_small(tmp_path):
 @two_gpus
 def test_gpu_interference_small(tmp_path):
     proc = _run_gpu(str(BENCH / "bench_interference.py"), "--small", "--reps", "2",
-                    "--modes", "fsdp2", "--out-dir", str(tmp_path))  # fmt: skip
+                    "--modes", "fsdp2,symm_mem", "--out-dir", str(tmp_path))  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (js,) = tmp_path.glob("*_interference_small.json")
     rows = json.loads(js.read_text())["tables"][0]["rows"]
     assert rows and all(r["error"] is None for r in rows), rows
     assert all(r["alone_ms"] and r["coll_alone_ms"] for r in rows)
+    assert {r["mode"] for r in rows} == {"fsdp2", "symm_mem"}
+
+
+@pytest.mark.gpu
+def test_gpu_accumulate_small(tmp_path):
+    proc = _run_gpu(str(BENCH / "bench_accumulate.py"), "--numel", str(3 * 2**20 + 5),
+                    "--iters", "2", "--out-dir", str(tmp_path))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (js,) = tmp_path.glob("*_accumulate.json")
+    rows = json.loads(js.read_text())["tables"][0]["rows"]
+    assert all(r["error"] is None and r["best_ms"] > 0 for r in rows), rows
+    assert sum("(default)" in r["variant"] for r in rows) == 1
 
 
 @pytest.mark.gpu

@@ -88,8 +88,11 @@ def test_accumulate_kernel_triton_interpreter_matches_torch():
                 a, b, c = prev.clone(), prev.clone(), prev.clone()
                 accumulate_rows(rows, a, accumulate=accumulate, divisor=divisor, num_ctas=3)
                 accumulate_rows(rows, c, accumulate=accumulate, divisor=divisor, num_ctas=0)
+                d = prev.clone()  # another launch shape with cache hints
+                accumulate_rows(rows, d, accumulate=accumulate, divisor=divisor, num_ctas=0,
+                                block=1024, num_warps=4, streaming=True)
                 _torch_accumulate(rows, b, accumulate, divisor)
-                assert torch.equal(a, b) and torch.equal(c, b), (accumulate, divisor)
+                assert torch.equal(a, b) and torch.equal(c, b) and torch.equal(d, b)
                 ref = (prev.double() * accumulate + rows.double().sum(0)) / divisor
                 mag = (prev.double().abs() * accumulate + rows.double().abs().sum(0)) / divisor
                 assert ((a.double() - ref).abs() <= 5 * 2**-24 * mag + 1e-30).all()

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 # memory parallelism, not the CTA count, sets the kernel's bandwidth.
 _BLOCK = 16384
 _NUM_WARPS = 16
+_STREAMING = False
 _logged_large = {"done": False}
 
 
@@ -64,22 +65,36 @@ def _triton_kernel():
         ACCUMULATE: tl.constexpr,
         BLOCK: tl.constexpr,
         NUM_PROGRAMS: tl.constexpr,
+        STREAMING: tl.constexpr,
     ):
-        # Offsets are int32 arithmetic below; accumulate_rows keeps every offset
-        # (rows x row_stride) under 2**31 or takes the torch path.
+        # Offsets are int32 arithmetic; accumulate_rows keeps every offset
+        # (rows x row_stride + BLOCK) under 2**31 or takes the torch path.
+        # STREAMING: rows are read once and the output is not read again by
+        # this kernel, so loads evict first and stores bypass L1 (".cs").
         pid = tl.program_id(0)
         for start in range(pid * BLOCK, numel, NUM_PROGRAMS * BLOCK):
-            offs = tl.arange(0, BLOCK).to(tl.int64) + start
+            offs = start + tl.arange(0, BLOCK)
             mask = offs < numel
             if ACCUMULATE:
                 acc = tl.load(out_ptr + offs, mask=mask, other=0.0)
             else:
                 acc = tl.zeros([BLOCK], dtype=tl.float32)
             for r in tl.static_range(NUM_ROWS):
-                row = tl.load(rows_ptr + r * row_stride + offs, mask=mask, other=0.0)
+                if STREAMING:
+                    row = tl.load(
+                        rows_ptr + r * row_stride + offs,
+                        mask=mask,
+                        other=0.0,
+                        eviction_policy="evict_first",
+                    )
+                else:
+                    row = tl.load(rows_ptr + r * row_stride + offs, mask=mask, other=0.0)
                 acc += row.to(tl.float32)
             acc = tl.math.div_rn(acc, divisor)
-            tl.store(out_ptr + offs, acc, mask=mask)
+            if STREAMING:
+                tl.store(out_ptr + offs, acc, mask=mask, cache_modifier=".cs")
+            else:
+                tl.store(out_ptr + offs, acc, mask=mask)
 
     return _accumulate_rows_kernel
 
@@ -105,9 +120,15 @@ def accumulate_rows(
     accumulate: bool,
     divisor: float = 1.0,
     num_ctas: int = 0,
+    block: int = _BLOCK,
+    num_warps: int = _NUM_WARPS,
+    streaming: bool = _STREAMING,
 ) -> None:
     """See the module docstring. Runs on the current stream; returns at once (CUDA).
     ``num_ctas``: persistent programs, or 0 for one short program per block.
+    ``block`` (elements per program and iteration, a power of two), ``num_warps``
+    and ``streaming`` (cache hints) are the launch shape; the defaults are the
+    measured best (bench_accumulate), the arguments exist for that benchmark.
 
     ``divisor`` 1.0 skips nothing on the Triton path (x / 1.0 is exact) and the
     division on the torch path."""
@@ -121,7 +142,7 @@ def accumulate_rows(
     # CPU tensors go to Triton only in its interpreter (TRITON_INTERPRET=1, tests).
     use_triton = out.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     kernel = _triton_kernel() if use_triton else None
-    if kernel is not None and rows.shape[0] * rows.stride(0) + _BLOCK >= 2**31:
+    if kernel is not None and rows.shape[0] * rows.stride(0) + block >= 2**31:
         # int32 offsets in the kernel: shards this large (> 2**31 elements over all
         # rows) take the torch path, logged once.
         if not _logged_large["done"]:
@@ -134,7 +155,7 @@ def accumulate_rows(
     if kernel is None:
         _torch_accumulate(rows, out, accumulate, float(divisor))
         return
-    blocks = -(-numel // _BLOCK)
+    blocks = -(-numel // block)
     programs = blocks if num_ctas == 0 else max(1, min(num_ctas, blocks))
     kernel[(programs,)](
         rows,
@@ -144,7 +165,8 @@ def accumulate_rows(
         float(divisor),
         NUM_ROWS=rows.shape[0],
         ACCUMULATE=accumulate,
-        BLOCK=_BLOCK,
+        BLOCK=block,
         NUM_PROGRAMS=programs,
-        num_warps=_NUM_WARPS,
+        STREAMING=streaming,
+        num_warps=num_warps,
     )
