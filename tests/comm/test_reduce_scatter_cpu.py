@@ -84,7 +84,7 @@ def test_accumulate_kernel_triton_interpreter_matches_torch():
         rows = (torch.randn(3, 5000, generator=g) * 10).bfloat16()
         prev = torch.randn(5000, generator=g)
         for accumulate in (False, True):
-            for divisor in (1.0, 3.0):
+            for divisor in (1.0, 2.0, 3.0):  # none, exact reciprocal, div_rn
                 a, b, c = prev.clone(), prev.clone(), prev.clone()
                 accumulate_rows(rows, a, accumulate=accumulate, divisor=divisor, num_ctas=3)
                 accumulate_rows(rows, c, accumulate=accumulate, divisor=divisor, num_ctas=0)

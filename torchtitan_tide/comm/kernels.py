@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 
 import torch
@@ -41,6 +42,10 @@ logger = logging.getLogger(__name__)
 _BLOCK = 16384
 _NUM_WARPS = 16
 _STREAMING = False
+# How the kernel divides: not at all (divisor 1), by multiplying with an exact
+# reciprocal (divisor a power of two: the same correctly rounded result as the
+# division), or by IEEE round-to-nearest division (any other divisor).
+_DIVIDE_NONE, _DIVIDE_EXACT_SCALE, _DIVIDE_RN = 0, 1, 2
 _logged_large = {"done": False}
 
 
@@ -61,6 +66,7 @@ def _triton_kernel():
         out_ptr,
         numel,
         divisor,
+        DIVIDE: tl.constexpr,
         NUM_ROWS: tl.constexpr,
         ACCUMULATE: tl.constexpr,
         BLOCK: tl.constexpr,
@@ -90,7 +96,10 @@ def _triton_kernel():
                 else:
                     row = tl.load(rows_ptr + r * row_stride + offs, mask=mask, other=0.0)
                 acc += row.to(tl.float32)
-            acc = tl.math.div_rn(acc, divisor)
+            if DIVIDE == _DIVIDE_EXACT_SCALE:  # divisor = 2**k: x * 2**-k == x / 2**k
+                acc = acc * divisor
+            elif DIVIDE == _DIVIDE_RN:
+                acc = tl.math.div_rn(acc, divisor)
             if STREAMING:
                 tl.store(out_ptr + offs, acc, mask=mask, cache_modifier=".cs")
             else:
@@ -113,6 +122,16 @@ def _torch_accumulate(rows: torch.Tensor, out: torch.Tensor, accumulate: bool, d
         out.div_(divisor)
 
 
+def _division(divisor: float) -> tuple[int, float]:
+    """(how the kernel divides, the factor it uses): see ``_DIVIDE_*``."""
+    if divisor == 1.0:
+        return _DIVIDE_NONE, 1.0
+    mantissa, exponent = math.frexp(divisor)
+    if mantissa == 0.5 and -125 <= exponent - 1 <= 126:  # 2**k with 2**-k a normal fp32
+        return _DIVIDE_EXACT_SCALE, math.ldexp(1.0, 1 - exponent)
+    return _DIVIDE_RN, divisor
+
+
 def accumulate_rows(
     rows: torch.Tensor,
     out: torch.Tensor,
@@ -130,8 +149,8 @@ def accumulate_rows(
     and ``streaming`` (cache hints) are the launch shape; the defaults are the
     measured best (bench_accumulate), the arguments exist for that benchmark.
 
-    ``divisor`` 1.0 skips nothing on the Triton path (x / 1.0 is exact) and the
-    division on the torch path."""
+    ``divisor`` 1.0 skips the division; a power of two multiplies by its exact
+    reciprocal (bitwise the same as dividing); any other divisor divides."""
     if rows.dim() != 2 or out.dim() != 1 or rows.shape[1] != out.numel():
         raise ValueError(f"accumulate_rows: rows {tuple(rows.shape)} vs out {tuple(out.shape)}")
     if out.dtype != torch.float32 or not (rows.is_contiguous() and out.is_contiguous()):
@@ -155,6 +174,7 @@ def accumulate_rows(
     if kernel is None:
         _torch_accumulate(rows, out, accumulate, float(divisor))
         return
+    divide, scale_or_divisor = _division(float(divisor))
     blocks = -(-numel // block)
     programs = blocks if num_ctas == 0 else max(1, min(num_ctas, blocks))
     kernel[(programs,)](
@@ -162,7 +182,8 @@ def accumulate_rows(
         rows.stride(0),
         out,
         numel,
-        float(divisor),
+        scale_or_divisor,
+        DIVIDE=divide,
         NUM_ROWS=rows.shape[0],
         ACCUMULATE=accumulate,
         BLOCK=block,
