@@ -96,9 +96,10 @@ def _triton_kernel():
                 else:
                     row = tl.load(rows_ptr + r * row_stride + offs, mask=mask, other=0.0)
                 acc += row.to(tl.float32)
-            if DIVIDE == _DIVIDE_EXACT_SCALE:  # divisor = 2**k: x * 2**-k == x / 2**k
+            # DIVIDE (see _DIVIDE_*; a jitted function reads no Python globals):
+            if DIVIDE == 1:  # divisor holds 2**-k: x * 2**-k == x / 2**k
                 acc = acc * divisor
-            elif DIVIDE == _DIVIDE_RN:
+            elif DIVIDE == 2:
                 acc = tl.math.div_rn(acc, divisor)
             if STREAMING:
                 tl.store(out_ptr + offs, acc, mask=mask, cache_modifier=".cs")
