@@ -50,6 +50,8 @@ COLUMNS_AFTER_ROUNDS = [
     ("peak_mem_delta_gib", "peak vs fsdp2 GiB"),
     ("layout_ms", "layout-conversion ms/step"),
     ("layout_share_pct", "layout share %"),
+    ("rs_kernel_ms", "reduce SM kernel ms/step"),
+    ("rs_kernel_sm_weighted_ms", "reduce SM-weighted ms/step"),
     ("first_loss", "first loss"),
     ("last_loss", "last loss"),
     ("error", "error"),
@@ -121,23 +123,49 @@ def summarize_run(records: list[dict], warmup: int, profiled_steps: int = 0) -> 
     }
 
 
-def layout_from_traces(trace_paths: Sequence[Path], step_ms: float | None) -> dict[str, Any]:
+def layout_from_traces(
+    trace_paths: Sequence[Path], step_ms: float | None, sm_count: int = 0
+) -> dict[str, Any]:
     """Layout-conversion time of the profiled step (``common.layout_conversion``) per
     rank trace and their mean; ``share_pct`` = mean ms / ``step_ms`` (the run's
-    unprofiled median). Also NCCL kernel and memcpy ms from the same traces."""
+    unprofiled median). Also NCCL kernel and memcpy ms, and the gradient reduce's
+    kernel time (``rs_kernel_ms``, SM-weighted with ``sm_count`` > 0:
+    ``common.reduce_kernels``) from the same traces."""
     per_rank = {}
     for path in sorted(trace_paths):
         events = common.load_chrome_trace(path)
         layout = common.layout_conversion(events)
         device = common.summarize_device_events(common.device_events(events), sm_count=0, top=0)
         layout.update(nccl_kernel_ms=device["nccl_kernel_ms"], memcpy_ms=device["memcpy_ms"])
+        reduce = common.reduce_kernels(events, sm_count)
+        layout.update(
+            rs_kernel_ms=reduce["kernel_ms"],
+            rs_kernel_sm_weighted_ms=reduce["kernel_sm_weighted_ms"],
+        )
         per_rank[path.name.split("_")[0]] = layout
     if not per_rank:
         return {"error": "no profiler trace found"}
     keys = [k for k in next(iter(per_rank.values())) if k != "rows"]
-    mean = {k: sum(r[k] for r in per_rank.values()) / len(per_rank) for k in keys}
+    mean = {
+        k: None if any(r[k] is None for r in per_rank.values())
+        else sum(r[k] for r in per_rank.values()) / len(per_rank)
+        for k in keys
+    }  # fmt: skip
     mean["share_pct"] = 100 * mean["total_ms"] / step_ms if step_ms else None
     return {**mean, "per_rank": per_rank}
+
+
+def _sm_count() -> int:
+    """SMs of GPU 0, asked in a child process: this process keeps no CUDA context
+    (it would hold GPU memory while the measured runs train); 0 when that fails."""
+    code = "import torch; print(torch.cuda.get_device_properties(0).multi_processor_count)"
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+        )
+        return int(proc.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError):
+        return 0
 
 
 def find_traces(dump_folder: Path) -> list[Path]:
@@ -173,6 +201,10 @@ def compare(runs: dict[str, list[dict]]) -> list[dict]:
         layout = next((r["layout"] for r in ok if "total_ms" in r.get("layout", {})), None)
         if layout:
             row.update(layout_ms=layout["total_ms"], layout_share_pct=layout["share_pct"])
+            row.update(
+                rs_kernel_ms=layout.get("rs_kernel_ms"),
+                rs_kernel_sm_weighted_ms=layout.get("rs_kernel_sm_weighted_ms"),
+            )
             row.update({k: layout.get(f"{k}_ms") for k in common.LAYOUT_KERNELS})
         rows.append(row)
     base = next((r for r in rows if r["mode"] == "fsdp2" and r.get("best_step_ms")), None)
@@ -199,6 +231,7 @@ def headline(config: str, rows: Sequence[Mapping[str, Any]]) -> list[dict[str, A
         ("tokens_per_s", "tokens/s", "higher"),
         ("peak_reserved_gib", "peak reserved GiB", "lower"),
         ("layout_share_pct", "layout-conversion share %", "lower"),
+        ("rs_kernel_ms", "reduce SM kernel ms/step", "lower"),
     ):
         values = {r["mode"]: r.get(key) for r in rows}
         if any(v is not None for v in values.values()):
@@ -272,6 +305,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     cuda = torch.cuda.is_available()
     world = torch.cuda.device_count() if cuda else int(os.environ.get("NGPU", "2"))
     profile = args.profile == "on" or (args.profile == "auto" and cuda)
+    sm_count = _sm_count() if profile and cuda else 0
     meta = common.metadata(world)
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
@@ -293,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 if profiled:
                     try:
                         traces = find_traces(Path(dump))
-                        summary["layout"] = layout_from_traces(traces, summary["step_ms"])
+                        summary["layout"] = layout_from_traces(traces, summary["step_ms"], sm_count)
                     except Exception as e:  # noqa: BLE001 - a bad trace must not lose the run
                         summary["layout"] = {"error": f"{type(e).__name__}: {e}"}
                 runs[mode].append(summary)

@@ -537,6 +537,42 @@ def label_by_launching_op(
     return _enclosing_labels(list(events), label_of, ("cpu_op",))
 
 
+REDUCE_RANGE = "FSDP::post_backward_reduce"  # FSDP2's range around one group's reduce
+
+
+def reduce_kernels(
+    events: Iterable[Mapping[str, Any]], sm_count: int, steps: int = 1
+) -> dict[str, Any]:
+    """Per-step SM time of the gradient reduce: every kernel launched inside FSDP2's
+    ``FSDP::post_backward_reduce`` range (stock: ``chunk_cat`` + the NCCL
+    reduce-scatter + any division; symm_mem the same with NCCL's symmetric kernel;
+    TIDE: the accumulate and barrier kernels). Copies are not kernels: the copy
+    engine's time is ``memcpy_ms``. Keys: ``kernel_ms`` (sum of durations),
+    ``kernel_sm_weighted_ms`` (None when ``sm_count`` is 0), ``memcpy_ms``, ``rows``."""
+    events = list(events)
+    by_launch = _enclosing_labels(
+        events,
+        lambda name: "reduce" if name.startswith(REDUCE_RANGE) else None,
+        ("user_annotation",),
+    )
+    out: dict[str, Any] = {"kernel_ms": 0.0, "kernel_sm_weighted_ms": 0.0, "memcpy_ms": 0.0}
+    count = 0
+    for row in device_events(events):
+        if by_launch.get(_correlation(row) or -1) != "reduce":
+            continue
+        ms = float(row.get("dur", 0.0)) / 1e3 / steps
+        count += 1
+        if row.get("cat") == "gpu_memcpy":
+            out["memcpy_ms"] += ms
+        elif row.get("cat") == "kernel":
+            out["kernel_ms"] += ms
+            out["kernel_sm_weighted_ms"] += sm_weighted_us(ms, grid_ctas(row), sm_count)
+    if sm_count <= 0:
+        out["kernel_sm_weighted_ms"] = None
+    out["rows"] = count
+    return out
+
+
 def layout_conversion(events: Iterable[Mapping[str, Any]], steps: int = 1) -> dict[str, Any]:
     """Per-step device ms of FSDP2's layout-conversion work in a trace: every
     device row named after one of :data:`LAYOUT_KERNELS` (``chunk_cat``: RS

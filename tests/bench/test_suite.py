@@ -107,7 +107,22 @@ def test_layout_conversion_by_name_and_launching_op(tmp_path):
     assert summary["share_pct"] == pytest.approx(10.0)
     assert summary["nccl_kernel_ms"] == pytest.approx((3 + 100 + 200) / 1e3)
     assert sorted(summary["per_rank"]) == ["rank0", "rank1"]
+    assert summary["rs_kernel_ms"] == pytest.approx(0.23)  # no SM count: not weighted
+    assert summary["rs_kernel_sm_weighted_ms"] is None
     assert bench_step.layout_from_traces([], step_ms=1.0) == {"error": "no profiler trace found"}
+
+
+def test_reduce_kernels_inside_fsdp_reduce_range():
+    """Kernels launched inside FSDP2's post_backward_reduce range count (chunk_cat and
+    the reduce-scatter); the all-gather's kernels and copies outside it do not."""
+    events = common.load_chrome_trace(DATA / "trace_snippet.json")
+    reduce = common.reduce_kernels(events, SMS, steps=2)
+    assert reduce["rows"] == 2
+    assert reduce["kernel_ms"] == pytest.approx((30 + 200) / 1e3 / 2)
+    assert reduce["kernel_sm_weighted_ms"] == pytest.approx((30 + 200 * 24 / 132) / 1e3 / 2)
+    assert reduce["memcpy_ms"] == 0.0
+    outside = [e for e in events if not str(e.get("name", "")).startswith("FSDP::")]
+    assert common.reduce_kernels(outside, SMS)["rows"] == 0
 
 
 # ---------------------------------------------------------------- reference layers, launches
@@ -436,6 +451,9 @@ def test_gpu_step_profiled(tmp_path):
     assert "error" not in layout, layout
     assert layout["chunk_cat_ms"] > 0 and layout["split_with_sizes_copy_ms"] > 0
     assert row["layout_share_pct"] > 0
+    # the reduce's kernels include chunk_cat (found through FSDP2's reduce range)
+    assert row["rs_kernel_ms"] >= layout["chunk_cat_ms"] > 0
+    assert 0 < row["rs_kernel_sm_weighted_ms"] <= row["rs_kernel_ms"]
 
 
 def test_results_json_is_self_describing():
