@@ -48,10 +48,11 @@ def test_bad_values_name_the_key(table, names):
 
 def test_tide_options_forwarded_only_for_tide():
     tide = Tide(comm="tide", ag_transport="nccl_p2p", local_world_size=1, ag_pacing=4,
-                reduce_scatter="fsdp2", rs_ctas=8)
+                reduce_scatter="fsdp2", rs_ctas=8, slot_barrier="kernel")
     assert tide.comm_options() == {
         "transport": "nccl_p2p", "local_world_size": 1, "pacing": 4, "reduce_scatter": "fsdp2",
         "rs_ctas": 8, "rs_rows": 2, "rs_inflight": 2, "slot_reuse": True,
+        "slot_barrier": "kernel",
     }
     assert tide.options_ignored_by_mode() == []
     stock = Tide(comm="fsdp2", ag_transport="nccl_p2p", slot_reuse=False)
@@ -61,6 +62,9 @@ def test_tide_options_forwarded_only_for_tide():
     from torchtitan_tide.comm import TideOptions
 
     assert TideOptions.from_kwargs(**tide.comm_options()).reduce_scatter == "fsdp2"
+    assert TideOptions.from_kwargs(**tide.comm_options()).slot_barrier == "kernel"
+    with pytest.raises(ValueError, match="slot_barrier"):
+        TideOptions(slot_barrier="spin")
 
 
 def test_config_file_checks(tmp_path):

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from models.wan22.job_config import Wan22DataConfig
+from torchtitan_tide.comm.options import REDUCE_SCATTERS, SLOT_BARRIERS
+from torchtitan_tide.comm.options import TRANSPORTS as AG_TRANSPORTS
 
 try:
     import tomllib
@@ -19,12 +21,10 @@ except ModuleNotFoundError:  # Python 3.10
 
 COMM_MODES = ("fsdp2", "symm_mem", "tide")
 FALLBACKS = ("none", "fsdp2")
-AG_TRANSPORTS = ("auto", "copy_engine", "nccl_p2p", "gloo")
-REDUCE_SCATTERS = ("tide", "fsdp2")
 # Options read only when comm = "tide".
 TIDE_ONLY_KEYS = (
     "ag_transport", "local_world_size", "ag_pacing",
-    "reduce_scatter", "rs_ctas", "rs_rows", "rs_inflight", "slot_reuse",
+    "reduce_scatter", "rs_ctas", "rs_rows", "rs_inflight", "slot_reuse", "slot_barrier",
 )  # fmt: skip
 
 
@@ -82,6 +82,11 @@ class Tide:
     """Copy engine: TIDE-RS stages gradients in TIDE-AG's symmetric slots instead of a
     buffer of its own."""
 
+    slot_barrier: str = "copy_engine"
+    """Copy engine: how local peers synchronize on the slots. "copy_engine": stream
+    flag writes and waits, no SM kernel. "kernel": torch's symmetric-memory barrier
+    kernel (1 CTA spinning on an SM while it waits)."""
+
     metrics_jsonl: bool = True
     """Write every logged step's metrics (loss, grad norm, memory, timings) to
     `<dump_folder>/metrics.jsonl` on the metrics rank, at full float precision, so runs in
@@ -95,6 +100,7 @@ class Tide:
         _check_int("ag_pacing", self.ag_pacing, minimum=0)
         _check_choice("reduce_scatter", self.reduce_scatter, REDUCE_SCATTERS)
         _check_int("rs_ctas", self.rs_ctas, minimum=0)
+        _check_choice("slot_barrier", self.slot_barrier, SLOT_BARRIERS)
         for key in ("rs_rows", "rs_inflight"):
             _check_int(key, getattr(self, key), minimum=1)
         if not isinstance(self.slot_reuse, bool):
@@ -121,6 +127,7 @@ class Tide:
             "rs_rows": self.rs_rows,
             "rs_inflight": self.rs_inflight,
             "slot_reuse": self.slot_reuse,
+            "slot_barrier": self.slot_barrier,
         }
 
     def options_ignored_by_mode(self) -> list[str]:

@@ -49,6 +49,8 @@ def _gpu_parity(rank: int, world_size: int, options: dict, expect: str) -> None:
         reason = copy_engine._batch_state["disabled_reason"]
         assert reason is None, f"cudaMemcpyBatchAsync fell back to copy_ loop: {reason}"
         assert copy_engine._batch_state["logged"], "copy engine batch path never ran"
+        barrier = copy_engine._barrier_state
+        assert barrier["kind"] == options.get("slot_barrier", "copy_engine"), barrier
 
 
 @pytest.mark.parametrize(
@@ -65,6 +67,7 @@ def _gpu_parity(rank: int, world_size: int, options: dict, expect: str) -> None:
         ({"slot_reuse": False}, "copy_engine"),
         ({"rs_rows": 1, "rs_ctas": 1}, "copy_engine"),
         ({"reduce_scatter": "fsdp2"}, "copy_engine"),
+        ({"slot_barrier": "kernel"}, "copy_engine"),  # torch's barrier kernel
     ],
     ids=[
         "auto",
@@ -75,6 +78,7 @@ def _gpu_parity(rank: int, world_size: int, options: dict, expect: str) -> None:
         "rs-own-slots",
         "rs-rows1",
         "ag-only",
+        "kernel-barrier",
     ],
 )
 def test_gpu_parity(options, expect):
@@ -125,6 +129,45 @@ def test_gpu_batch_copy_576():
     spawn(_batch_copy_exact, 2, 576, device_type="cuda")
 
 
+def _ce_barrier_orders_writes(rank: int, world_size: int, rounds: int) -> None:
+    """The copy-engine slot barrier (no SM kernel): each round a rank copies fresh
+    values into its peer's slot ``round % 2`` (a copy-engine copy on a side
+    stream), barriers, and reads what the peer copied into its own slot; every
+    round must see the peer's values of that round (nothing stale, no hang). No
+    host synchronization between rounds: only the barrier orders the streams."""
+    from torchtitan_tide.comm.transport import copy_engine
+    from torchtitan_tide.comm.transport.copy_engine import SymmSlots
+
+    device = torch.device("cuda", rank)
+    numel = 1 << 18  # fp32 elements per slot
+    slots = SymmSlots.create(numel * 4, dist.group.WORLD, device)
+    assert slots.barrier_kind == "copy_engine", copy_engine._barrier_state
+    peer = 1 - rank
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream())
+    wrong = torch.zeros((), dtype=torch.int64, device=device)
+    gen = torch.Generator(device=device).manual_seed(1234)  # same sequence on both ranks
+    with torch.cuda.stream(stream):
+        for rnd in range(rounds):
+            base = torch.randn(numel, device=device, generator=gen)
+            mine, theirs = base + rank, base + peer
+            slot = (rnd % 2) * numel * 4
+            dst = slots.peer_bufs[peer].narrow(0, slot, numel * 4).view(torch.float32)
+            dst.copy_(mine)  # into the peer's memory: a copy-engine copy
+            slots.barrier()
+            own = slots.buffer.narrow(0, slot, numel * 4).view(torch.float32)
+            wrong += (own != theirs).sum()
+            slots.barrier()  # the peer read its slot before the next round writes
+    stream.synchronize()
+    assert int(wrong) == 0, f"{int(wrong)} stale or wrong elements over {rounds} rounds"
+    assert slots.barrier_seq == 2 * rounds
+
+
+def test_gpu_copy_engine_barrier():
+    pytest.importorskip("cuda.bindings.driver")
+    spawn(_ce_barrier_orders_writes, 2, 200, device_type="cuda")
+
+
 def _gpu_rs_numerics(rank: int, world_size: int, options: dict) -> None:
     """TIDE-RS fp32 shards vs a float64 sum of the same bf16 gradients, NaN-poisoned
     outputs, on CUDA (copy engine / NCCL p2p, Triton kernel)."""
@@ -145,8 +188,17 @@ def _gpu_rs_numerics(rank: int, world_size: int, options: dict) -> None:
         {"slot_reuse": False},
         {"rs_ctas": 0},
         {"rs_rows": 1, "rs_ctas": 1},
+        {"slot_barrier": "kernel"},
     ],
-    ids=["copy_engine", "copy_engine-2x1", "nccl_p2p-2x1", "own-slots", "short-ctas", "rows1"],
+    ids=[
+        "copy_engine",
+        "copy_engine-2x1",
+        "nccl_p2p-2x1",
+        "own-slots",
+        "short-ctas",
+        "rows1",
+        "kernel-barrier",
+    ],
 )
 def test_gpu_rs_numerics(options):
     spawn(_gpu_rs_numerics, 2, options, device_type="cuda")

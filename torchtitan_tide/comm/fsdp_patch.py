@@ -449,11 +449,22 @@ def install(model: nn.Module, options: TideOptions) -> None:
         )  # fmt: skip
         shared = tide_rs and options.slot_reuse
         slots_by_key[key] = SymmSlots.create(
-            max(ag_bytes, rs_bytes) if shared else ag_bytes, node_group, key[1]
+            max(ag_bytes, rs_bytes) if shared else ag_bytes,
+            node_group,
+            key[1],
+            barrier=options.slot_barrier,
         )
         record.slots.append(slots_by_key[key])
+        barrier = slots_by_key[key].barrier_kind
+        decisions.append(
+            f"copy-engine slots on {key[1]}: 2 x {slots_by_key[key].slot_bytes} B, barrier "
+            + ("stream flag write/wait (no SM kernel)" if barrier == "copy_engine" else
+               f"kernel (option slot_barrier={options.slot_barrier!r})")
+        )  # fmt: skip
         if tide_rs and not shared:
-            rs_slots_by_key[key] = SymmSlots.create(rs_bytes, node_group, key[1])
+            rs_slots_by_key[key] = SymmSlots.create(
+                rs_bytes, node_group, key[1], barrier=options.slot_barrier
+            )
             record.slots.append(rs_slots_by_key[key])
     p2p_by_key: dict[tuple[int, torch.device], P2PTransport] = {}
     buffers_by_key: dict[tuple[int, torch.device], RSBuffers] = {}

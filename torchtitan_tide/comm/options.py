@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-__all__ = ["REDUCE_SCATTERS", "TRANSPORTS", "TideOptions", "resolve_local_world_size"]
+__all__ = [
+    "REDUCE_SCATTERS", "SLOT_BARRIERS", "TRANSPORTS", "TideOptions", "resolve_local_world_size",
+]  # fmt: skip
 
 TRANSPORTS = ("auto", "copy_engine", "nccl_p2p", "gloo")
 REDUCE_SCATTERS = ("tide", "fsdp2")
+SLOT_BARRIERS = ("copy_engine", "kernel")
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,13 @@ class TideOptions:
         Copy engine only: TIDE-RS stages gradients in the same symmetric slots
         as TIDE-AG (one buffer, one protocol on one stream) instead of a
         buffer of its own.
+    slot_barrier:
+        Copy engine only: how local peers synchronize on the slots.
+        ``"copy_engine"``: stream memory operations (a fenced flag write into
+        each peer's signal pad, a stream wait on the own flags): no SM kernel.
+        ``"kernel"``: torch's symmetric-memory barrier kernel (1 CTA that spins
+        on an SM while it waits). Where the copy-engine barrier cannot run on
+        some rank, every rank takes the kernel, logged.
     """
 
     transport: str = "auto"
@@ -68,6 +78,7 @@ class TideOptions:
     rs_rows: int = 2
     rs_inflight: int = 2
     slot_reuse: bool = True
+    slot_barrier: str = "copy_engine"
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -98,6 +109,11 @@ class TideOptions:
         if not isinstance(self.slot_reuse, bool):
             raise ValueError(  # noqa: TRY004 - every bad option is a ValueError here
                 f"tide option slot_reuse={self.slot_reuse!r} must be True or False"
+            )
+        if self.slot_barrier not in SLOT_BARRIERS:
+            raise ValueError(
+                f"tide option slot_barrier={self.slot_barrier!r} is not one of {SLOT_BARRIERS}; "
+                "'kernel' uses torch's symmetric-memory barrier kernel"
             )
 
     @classmethod

@@ -11,7 +11,7 @@ process group, so ``round`` advances identically everywhere):
 2. (more than one node) cross-node phase: the plan's recursive-doubling
    steps move whole node entries of the slot over point-to-point (NCCL), one
    message per step for the whole group, into the peers' slots.
-3. ``handle.barrier()`` on the node-local group: every local peer has packed
+3. node-local barrier (``SymmSlots.barrier``): every local peer has packed
    (and received) round ``r``. Because each rank runs all rounds in order on
    one stream, the barrier of round ``r`` also proves every local peer
    finished its pulls of round ``r - 1``; so when round ``r + 1`` writes slot
@@ -26,6 +26,15 @@ process group, so ``round`` advances identically everywhere):
 If ``cuda-bindings`` is missing (or the batch call fails once), the pulls run
 as a loop of ``Tensor.copy_`` (each a ``cudaMemcpyAsync``), logged once as a
 warning; ``_batch_state`` records why.
+
+The barrier (``slot_barrier``): ``"copy_engine"`` (default) uses no SM: on the
+current stream each rank writes the barrier's sequence number into every local
+peer's flag word (``cuStreamWriteValue32``, fenced: the writes and copies before
+it on the stream are visible first), then waits until its own flag words from
+every peer reach that number (``cuStreamWaitValue32``, cyclic >=). The flag
+words are the last ``world`` 32-bit words of each buffer's symmetric signal pad
+(torch's barrier kernels use the first words). ``"kernel"``: torch's
+``handle.barrier``, a 1-CTA kernel that spins on an SM while it waits.
 """
 
 from __future__ import annotations
@@ -44,6 +53,9 @@ __all__ = ["CopyEngineTransport", "SymmSlots", "batch_copy"]
 logger = logging.getLogger(__name__)
 
 _batch_state: dict[str, object] = {"disabled_reason": None, "logged": False}
+_CU_STREAM_WAIT_VALUE_GEQ = 0  # cyclic: (int32)(*addr - value) >= 0
+# The barrier the last ``SymmSlots.create`` chose, and why not the copy engine (tests, logs).
+_barrier_state: dict[str, str | None] = {"kind": None, "fallback_reason": None}
 
 
 @dataclass
@@ -59,10 +71,23 @@ class SymmSlots:
     peer_ptrs: list[int]  # data_ptr of each group rank's buffer
     peer_devices: list[int]  # CUDA device index of each group rank
     round: int = 0
+    barrier_kind: str = "kernel"  # options.SLOT_BARRIERS; "copy_engine" set by create
+    barrier_seq: int = 0  # uint32 sequence number of the last copy-engine barrier
+    peer_flags: list[torch.Tensor] | None = None  # uint32 signal pad of each rank, mapped here
+    flags_base: int = 0  # first flag word in every signal pad (word ``flags_base + src``)
 
     @classmethod
-    def create(cls, slot_bytes: int, group: dist.ProcessGroup, device: torch.device) -> SymmSlots:
-        """Collective over ``group``: allocate and rendezvous the buffer."""
+    def create(
+        cls,
+        slot_bytes: int,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        barrier: str = "copy_engine",
+    ) -> SymmSlots:
+        """Collective over ``group``: allocate and rendezvous the buffer, set up the
+        ``barrier`` (``options.SLOT_BARRIERS``). A copy-engine barrier that cannot run on
+        some rank (no cuda-bindings, no signal pad) gives the kernel barrier on
+        every rank, logged with the reason."""
         import torch.distributed._symmetric_memory as symm_mem
 
         slot_bytes = (max(slot_bytes, 16) + 127) // 128 * 128
@@ -77,9 +102,101 @@ class SymmSlots:
         world = group.size()
         peer_bufs = [handle.get_buffer(r, (2 * slot_bytes,), torch.uint8, 0) for r in range(world)]
         peer_ptrs = [t.data_ptr() for t in peer_bufs]
-        devices: list[int] = [0] * world
-        dist.all_gather_object(devices, device.index, group=group)
-        return cls(buffer, handle, slot_bytes, peer_bufs, peer_ptrs, devices)
+        slots = cls(buffer, handle, slot_bytes, peer_bufs, peer_ptrs, [0] * world)
+        reason = _setup_ce_barrier(slots, device) if barrier == "copy_engine" else "option"
+        # One collective: every rank's device, and whether its copy-engine barrier works.
+        infos: list[tuple[int, str | None]] = [(0, None)] * world
+        dist.all_gather_object(infos, (device.index, reason), group=group)
+        slots.peer_devices = [index for index, _ in infos]
+        failed = sorted({r for _, r in infos if r is not None})
+        if barrier == "copy_engine" and not failed:
+            slots.barrier_kind = "copy_engine"
+        _barrier_state.update(kind=slots.barrier_kind, fallback_reason="; ".join(failed) or None)
+        if barrier == "copy_engine" and failed:
+            logger.warning(
+                "TIDE slots: copy-engine barrier unavailable on some rank (%s); every rank "
+                "uses the barrier kernel", "; ".join(failed)
+            )  # fmt: skip
+        return slots
+
+    def barrier(self) -> None:
+        """Node-local barrier on the current stream (module docstring): every local
+        peer reached the same barrier, and what it wrote before is visible."""
+        if self.barrier_kind == "copy_engine":
+            _ce_barrier(self, torch.cuda.current_stream(self.buffer.device))
+        else:
+            self.handle.barrier(channel=0)
+
+
+def _setup_ce_barrier(slots: SymmSlots, device: torch.device) -> str | None:
+    """Map every rank's signal pad as uint32, zero this rank's flag words and run
+    each driver call once locally (nothing to wait for); None on success, else why
+    the copy-engine barrier cannot run here."""
+    handle, world = slots.handle, len(slots.peer_ptrs)
+    try:
+        _cuda_driver()
+        pad_words = int(handle.signal_pad_size) // 4
+        if pad_words < 2 * world:
+            return f"signal pad of {pad_words} words is too small for {world} ranks"
+        base = pad_words - world
+        flags = [handle.get_signal_pad(r, [pad_words], torch.uint32, 0) for r in range(world)]
+        me = handle.rank
+        torch.ops.symm_mem.memset32_(flags[me], base, 0, world)
+        torch.ops.symm_mem.stream_write_value32_(flags[me], base + me, 0)
+        stream = torch.cuda.current_stream(device)
+        _wait_value32(stream, flags[me].data_ptr() + 4 * (base + me), 0)
+        torch.cuda.synchronize(device)
+    except Exception as e:  # noqa: BLE001 - any failure means "use the kernel barrier"
+        return f"{type(e).__name__}: {e}"
+    slots.peer_flags, slots.flags_base = flags, base
+    return None
+
+
+def _cuda_driver():
+    from cuda.bindings import driver  # lazy: GPU machines only
+
+    return driver
+
+
+def _wait_value32(stream: torch.cuda.Stream, address: int, value: int) -> None:
+    """``stream`` waits (no SM) until the uint32 at ``address`` is cyclically >= ``value``."""
+    driver = _cuda_driver()
+
+    def wait():
+        res = driver.cuStreamWaitValue32(
+            driver.CUstream(stream.cuda_stream),
+            driver.CUdeviceptr(address),
+            driver.cuuint32_t(value),
+            _CU_STREAM_WAIT_VALUE_GEQ,
+        )
+        return res[0] if isinstance(res, tuple) else res
+
+    with torch.cuda.device(stream.device):
+        err = wait()
+        if err == driver.CUresult.CUDA_ERROR_INVALID_CONTEXT:
+            # A thread that has used only torch's runtime calls may have no current
+            # driver context: make the device's primary context (torch's) current.
+            res = driver.cuDevicePrimaryCtxRetain(stream.device.index)
+            driver.cuCtxSetCurrent(res[1])
+            driver.cuDevicePrimaryCtxRelease(stream.device.index)
+            err = wait()
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuStreamWaitValue32 failed: {err}")
+
+
+def _ce_barrier(slots: SymmSlots, stream: torch.cuda.Stream) -> None:
+    """The copy-engine barrier on ``stream`` (module docstring). Every rank calls
+    its barriers in the same order, so sequence numbers agree."""
+    assert slots.peer_flags is not None
+    slots.barrier_seq = (slots.barrier_seq + 1) & 0xFFFFFFFF
+    seq, me, base = slots.barrier_seq, slots.handle.rank, slots.flags_base
+    peers = [p for p in range(len(slots.peer_flags)) if p != me]
+    with torch.cuda.stream(stream):
+        for peer in peers:  # fenced: this stream's earlier writes land first
+            torch.ops.symm_mem.stream_write_value32_(slots.peer_flags[peer], base + me, seq)
+    own = slots.peer_flags[me].data_ptr()
+    for peer in peers:
+        _wait_value32(stream, own + 4 * (base + peer), seq)
 
 
 def _cudart():
@@ -269,7 +386,7 @@ class CopyEngineTransport:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
         # 3. local peers packed/received round r and finished pulling round r - 1.
-        slots.handle.barrier(channel=0)
+        slots.barrier()
         # 4. pull every (local index, node, param) shard, the own one included
         # (from the own slot: a copy-engine copy instead of a second cast kernel).
         sources = [(lp, m) for lp in range(lws) for m in range(num_nodes)]
@@ -349,7 +466,7 @@ class CopyEngineTransport:
             for p in pushes:
                 dst = slots.peer_bufs[p.peer].narrow(0, dst_byte(p), p.numel * itemsize)
                 dst.view(dtype).copy_(grads[p.param_index].narrow(0, p.src_offset, p.numel))
-        slots.handle.barrier(channel=0)
+        slots.barrier()
         return (
             slots.buffer.narrow(0, base, rows_used * row_numel * itemsize)
             .view(dtype)
