@@ -15,7 +15,7 @@ def run_dry(repo, args, cwd=None, **env):
     full_env.update(TIDE_DEVICE="cpu", PYTHON=sys.executable, **env)
     return subprocess.run(
         [str(repo / "run_train.sh"), *args, "--dry-run"],
-        capture_output=True, text=True, env=full_env, cwd=cwd or repo, timeout=120,
+        capture_output=True, text=True, env=full_env, cwd=cwd or repo, timeout=120, check=False,
     )
 
 

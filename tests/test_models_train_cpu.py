@@ -4,7 +4,6 @@ exists (fsdp2, tide): loss finite and falling, and TIDE's losses equal stock FSD
 import math
 
 import pytest
-
 from train_helpers import losses, train
 
 pytestmark = pytest.mark.slow

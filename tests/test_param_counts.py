@@ -7,9 +7,9 @@ tests/models/test_wan22.py.
 
 import pytest
 import torch
+from torchtitan.protocols.train_spec import get_train_spec
 
 import torchtitan_tide.train_specs  # noqa: F401  (registers the specs)
-from torchtitan.protocols.train_spec import get_train_spec
 
 
 def meta_model(spec_name: str, flavor: str):

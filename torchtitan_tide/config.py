@@ -69,7 +69,7 @@ class Tide:
     """CTAs of the TIDE-RS accumulate kernel. 0 (default): short-lived CTAs, one per 16K
     elements, scheduled on free SMs at the compute stream's priority (measured best on
     2x H200: fastest step, +11% on a GEMM beside it). N > 0: N persistent CTAs (never more
-    than N SMs, ~28 GB/s each on H200, so a long kernel that GEMM CTAs wait behind)."""
+    than N SMs, ~50 GB/s each on H200, so a long kernel that GEMM CTAs wait behind)."""
 
     rs_rows: int = 2
     """TIDE-RS source rows per staging slot (node-local peers summed per kernel pass);

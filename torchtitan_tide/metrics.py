@@ -27,7 +27,7 @@ class JsonlLogger(BaseLogger):
     def __init__(self, path: str) -> None:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self.path = path
-        self._file = open(path, "a", encoding="utf-8")
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - open until close()
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}

@@ -127,6 +127,21 @@ def headline_rows(r: Result) -> list[dict[str, Any]]:
     return []
 
 
+def all_headline_rows(results: Sequence[Result]) -> list[dict[str, Any]]:
+    """Headline rows of every result; where several results share a (kind, name),
+    e.g. two step runs of one config, each benchmark label gets ``@<commit>``."""
+    counts: dict[tuple[str, str], int] = {}
+    for r in results:
+        counts[(r.kind, r.name)] = counts.get((r.kind, r.name), 0) + 1
+    out = []
+    for r in results:
+        for row in headline_rows(r):
+            if counts[(r.kind, r.name)] > 1:
+                row = {**row, "benchmark": f"{row['benchmark']} @{r.meta.get('commit')}"}
+            out.append(row)
+    return out
+
+
 def _ag_headline(r: Result) -> list[dict[str, Any]]:
     import bench_ag
 
@@ -272,7 +287,7 @@ def render(results: Sequence[Result], out_dir: Path, report_png: Path | None) ->
             ),
             "",
         ]
-    heads = [row for r in measured for row in headline_rows(r)]
+    heads = all_headline_rows(measured)
     lines += ["## Headline (by comm mode, ratios vs fsdp2)", ""]
     if heads:
         table, _ = headline_table(heads)
@@ -350,7 +365,7 @@ def write_report(results: Sequence[Result], out_dir: Path) -> Path:
     meta = {"date": newest.date or "unknown", "machine": newest.meta.get("machine", "unknown"),
             "commit": newest.meta.get("commit", "unknown")}  # fmt: skip
     stem = common.result_stem(out_dir, "report", meta)
-    heads = [row for r in measured for row in headline_rows(r)]
+    heads = all_headline_rows(measured)
     png = Path(str(stem) + ".png")
     charts = ratio_charts(heads)
     wrote_png = bool(charts) and common.write_bar_png(

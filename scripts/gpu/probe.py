@@ -27,7 +27,7 @@ def probe() -> dict:
         report["cudaMemcpyAttributes_fields"] = [
             n for n in dir(cudart.cudaMemcpyAttributes()) if not n.startswith("_")
         ]
-    except Exception as exc:  # report, never fail
+    except Exception as exc:  # noqa: BLE001 - report, never fail
         report["cuda_bindings_error"] = repr(exc)
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -40,15 +40,18 @@ def probe() -> dict:
     report["foreach_all_gather_signature"] = str(inspect.signature(coll.foreach_all_gather))
     report["copy_out_signature"] = str(inspect.signature(coll.foreach_all_gather_copy_out))
     report["foreach_reduce_returns"] = [
-        line.strip() for line in inspect.getsource(coll.foreach_reduce).splitlines()
+        line.strip()
+        for line in inspect.getsource(coll.foreach_reduce).splitlines()
         if line.strip().startswith("return")
     ]
     report["param_group_uses"] = [
-        n for n in ("foreach_all_gather", "foreach_all_gather_copy_out", "foreach_reduce")
+        n
+        for n in ("foreach_all_gather", "foreach_all_gather_copy_out", "foreach_reduce")
         if hasattr(group, n)
     ]
     report["fsdp_state_group_attr"] = [
-        line.strip() for line in inspect.getsource(state.FSDPState.__init__).splitlines()
+        line.strip()
+        for line in inspect.getsource(state.FSDPState.__init__).splitlines()
         if "_fsdp_param_group" in line
     ]
     return report

@@ -354,6 +354,17 @@ def test_report_given_files_and_empty(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert report.main(["--results-dir", str(empty)]) == 1
+    # Two given results of one (kind, name): each benchmark label names its commit.
+    old = json.loads(legacy.read_text())
+    old["metadata"]["commit"] = "0ld0000"
+    twin = out / "2026-11-29_nvidia-h200-x-2_0ld0000_step_h200x2_qwen3_30b_a3b_4layers.json"
+    twin.write_text(json.dumps(old))
+    both = tmp_path / "both"
+    assert report.main([str(legacy), str(twin), "--out-dir", str(both)]) == 0
+    (md,) = both.glob("*_report.md")
+    text = md.read_text()
+    for commit in ("7334fb3", "0ld0000"):
+        assert f"| step h200x2_qwen3_30b_a3b_4layers @{commit} | step ms (best round) |" in text
 
 
 def test_report_generic_projection_tables():
