@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+DATA = Path(__file__).resolve().parent / "data"
 sys.path.insert(0, str(REPO / "scripts" / "bench"))
 
 import projection as proj
@@ -161,9 +162,10 @@ def test_calibration_files(tmp_path):
     assert cal.references[0].config == "small" and cal.references[0].fwd_bwd_ms == 250.0
     assert cal.sources["nvlink_gibps"].startswith(f"file: {path}")
     assert cal.sources["nccl_all_gather_bus_gibps"].startswith("default: DESIGN.md")
-    step_json = next((REPO / "bench" / "results").glob("*_step_h200x2_llama70b_4layers.json"))
+    # A recorded bench_step result (fixed sample, not whatever bench/results holds).
+    step_json = DATA / "2026-11-30_nvidia-h200-x-2_7334fb3_step_h200x2_qwen3_30b_a3b_4layers.json"
     cal = proj.apply_calibration_file(cal, step_json)
-    assert cal.references[0].config == "h200x2_llama70b_4layers"
+    assert cal.references[0].config == "h200x2_qwen3_30b_a3b_4layers"
     assert cal.references[0].step_ms["fsdp2"] == pytest.approx(505.56, abs=0.01)
     for bad, message in (
         ({"bandwith_gibps": {}}, "unknown key(s) ['bandwith_gibps']"),
