@@ -1,0 +1,408 @@
+"""Layout matrix: stock FSDP2 vs TIDE through TorchTitan's own parallelize functions.
+
+``run_layout(rank, world_size, layout)`` (run it with ``_harness.spawn``) builds one
+tiny TorchTitan model (llama3, or the qwen3 MoE for EP) per rank from one seed,
+copies it, and parallelizes both copies with the train spec's ``parallelize_fn``
+(TorchTitan's ``parallelize_llama`` / ``parallelize_qwen3`` wrapped by
+``torchtitan_tide.train_specs.wrap_parallelize``, which calls ``comm.apply`` per
+model part): one with ``[tide] comm = "fsdp2"``, one with ``comm = "tide"``. PP
+layouts go through TorchTitan's ``pipeline_llm`` (several model parts per rank).
+
+Then, for ``layout.steps`` steps on fresh random tokens (the same on both copies,
+different per data-parallel rank): forward + backward on both, every parameter's
+LOCAL gradient shard compared (bitwise, or ``layout.tolerance`` relative), the
+losses compared, plain SGD on both (AdamW would normalize a wrong gradient scale
+away). TIDE-AG outputs are NaN-poisoned before every all-gather and checked after;
+TIDE-RS outputs and partials are NaN-poisoned before they are written. Finally
+every FSDP group is checked against what it should have run: TIDE-AG / TIDE-RS
+calls counted per group (wrappers around ``fsdp_patch.tide_all_gather`` /
+``tide_reduce``) on the process group of the expected mesh dimension, or the
+FSDP2 path with the expected log line.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+VOCAB = 64
+SEQ = 16
+BATCH = 2
+LR = 0.5
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One parallelism layout of the matrix (``[parallelism]`` etc. of a TorchTitan job).
+
+    ``tide``: ``[tide]`` options (``torchtitan_tide.config.Tide`` fields) for the
+    TIDE copy. ``parallelize``: ``"torchtitan"`` (the train spec's function) or
+    ``"multi_root"`` (``fully_shard`` on the embedding, blocks, norm and output, not
+    on the model). ``fsdp2_groups``: FSDP module name (``"<root>"`` for the model) ->
+    substring of the FSDP2-fallback line TIDE must log for it (those groups must not
+    run TIDE-AG); ``"*"``: every group. ``rs_fsdp2``: substring of the TIDE-RS fallback line when every
+    group is expected to keep FSDP2's reduce-scatter. ``tolerance``: 0 = bitwise
+    (two ranks add per element: one fp32 addition, any order); else relative.
+    """
+
+    model: str = "llama3"
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    pp_schedule: str = "1F1B"
+    ac: str = "none"
+    selective_ac_option: str = "op"
+    compile: bool = False
+    parallelize: str = "torchtitan"
+    param_dtype: str = "bfloat16"
+    cpu_offload: bool = False
+    num_experts: int = 8
+    tide: dict = field(default_factory=dict)
+    fsdp2_groups: dict = field(default_factory=dict)
+    rs_fsdp2: str | None = None
+    tolerance: float = 0.0
+    steps: int = 3
+
+
+# ---------------------------------------------------------------- model and config
+
+
+def job_config_for(layout: Layout):
+    from torchtitan.config import JobConfig
+
+    jc = JobConfig()
+    jc.training.seq_len = SEQ
+    jc.training.local_batch_size = BATCH
+    jc.training.mixed_precision_param = layout.param_dtype
+    jc.training.enable_cpu_offload = layout.cpu_offload
+    p = jc.parallelism
+    p.data_parallel_replicate_degree = layout.dp_replicate
+    p.data_parallel_shard_degree = layout.dp_shard
+    p.tensor_parallel_degree = layout.tp
+    p.pipeline_parallel_degree = layout.pp
+    p.pipeline_parallel_schedule = layout.pp_schedule
+    p.expert_parallel_degree = layout.ep
+    p.disable_loss_parallel = True  # replicated logits: the test's loss is plain
+    jc.activation_checkpoint.mode = layout.ac
+    jc.activation_checkpoint.selective_ac_option = layout.selective_ac_option
+    jc.compile.enable = layout.compile
+    jc.compile.components = ["model"]
+    jc.compile.backend = "aot_eager"
+    return jc
+
+
+def model_args_for(layout: Layout):
+    if layout.model == "llama3":
+        from torchtitan.models.llama3 import TransformerModelArgs
+
+        return TransformerModelArgs(
+            dim=64, n_layers=2 * layout.pp, n_heads=4, n_kv_heads=2, vocab_size=VOCAB,
+            multiple_of=32, max_seq_len=SEQ, rope_theta=10000,
+        )  # fmt: skip
+    if layout.model == "qwen3_moe":
+        import dataclasses
+
+        from torchtitan.models.qwen3 import qwen3_args
+
+        moe = qwen3_args["debugmodel_moe"]
+        return dataclasses.replace(
+            moe, vocab_size=VOCAB, max_seq_len=SEQ, head_dim=16, dim=64, n_layers=2,
+            n_heads=4, n_kv_heads=2, hidden_dim=96, moe_inter_dim=32,
+            moe_args=dataclasses.replace(
+                moe.moe_args, num_experts=layout.num_experts, top_k=2, use_grouped_mm=False
+            ),
+        )  # fmt: skip
+    raise ValueError(f"unknown model {layout.model!r}")
+
+
+def build_model(layout: Layout) -> nn.Module:
+    """The same full model on every rank (one seed), weights initialized by TorchTitan."""
+    args = model_args_for(layout)
+    if layout.model == "llama3":
+        from torchtitan.models.llama3 import Transformer
+    else:
+        from torchtitan.models.qwen3.model.model import Qwen3Model as Transformer
+    torch.manual_seed(1234)
+    model = Transformer(args)
+    with torch.no_grad():
+        model.init_weights()
+    return model
+
+
+def parallelize_fn_for(layout: Layout) -> Callable:
+    from torchtitan_tide.train_specs import wrap_parallelize
+
+    if layout.parallelize == "multi_root":
+        return wrap_parallelize(_fully_shard_without_root)
+    if layout.model == "llama3":
+        from torchtitan.models.llama3.infra.parallelize import parallelize_llama
+
+        return wrap_parallelize(parallelize_llama)
+    from torchtitan.models.qwen3.infra.parallelize import parallelize_qwen3
+
+    return wrap_parallelize(parallelize_qwen3)
+
+
+def _fully_shard_without_root(model: nn.Module, parallel_dims, job_config) -> nn.Module:
+    """``fully_shard`` on the embedding, each block, norm and output, NOT on the model:
+    every one of them is its own FSDP root (own reduce-scatter stream in FSDP2)."""
+    from torchtitan.config import TORCH_DTYPE_MAP
+
+    training = job_config.training
+    kw = {
+        "mesh": parallel_dims.get_mesh("fsdp"),
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
+            reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
+        ),
+    }
+    fully_shard(model.tok_embeddings, **kw)
+    for block in model.layers.values():
+        fully_shard(block, **kw)
+    fully_shard(model.norm, **kw)  # one module per root: FSDP2 wants a single root
+    fully_shard(model.output, **kw)
+    for m in model.modules():
+        if hasattr(m, "set_gradient_divide_factor"):
+            m.set_gradient_divide_factor(1.0)
+    return model
+
+
+# ---------------------------------------------------------------- what TIDE ran
+
+
+@dataclass
+class TideRecord:
+    """TIDE calls and log lines of one process."""
+
+    ag: Counter = field(default_factory=Counter)  # id(FSDPParam) -> TIDE-AG calls
+    rs: Counter = field(default_factory=Counter)  # id(FSDPParam) -> TIDE-RS calls
+    ag_groups: dict = field(default_factory=dict)  # id(FSDPParam) -> process group used
+    rs_groups: dict = field(default_factory=dict)
+    logs: list = field(default_factory=list)
+
+
+class _ListHandler(logging.Handler):
+    def __init__(self, out: list) -> None:
+        super().__init__(logging.INFO)
+        self.out = out
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.out.append(record.getMessage())
+
+
+@contextmanager
+def watch_tide() -> Iterator[TideRecord]:
+    """Count TIDE-AG / TIDE-RS calls per FSDP parameter, NaN-poison TIDE's outputs
+    (TIDE-AG: the unsharded storage before the transport writes it, checked after;
+    TIDE-RS: every output and partial before it is written), capture the
+    ``torchtitan_tide`` and ``torchtitan`` log lines."""
+    from torchtitan_tide.comm import all_gather as tide_ag
+    from torchtitan_tide.comm import fsdp_patch
+    from torchtitan_tide.comm import reduce_scatter as tide_rs
+
+    rec = TideRecord()
+    orig_ag, orig_rs = fsdp_patch.tide_all_gather, fsdp_patch.tide_reduce
+
+    def counted_ag(state, fsdp_params, group, *args, **kwargs):
+        for fp in fsdp_params:
+            rec.ag[id(fp)] += 1
+            rec.ag_groups[id(fp)] = group
+        return orig_ag(state, fsdp_params, group, *args, **kwargs)
+
+    def counted_rs(state, fsdp_params, *args, **kwargs):
+        for fp in fsdp_params:
+            rec.rs[id(fp)] += 1
+            rec.rs_groups[id(fp)] = state.group
+        return orig_rs(state, fsdp_params, *args, **kwargs)
+
+    def poison(outputs: list[torch.Tensor]) -> None:
+        for o in outputs:
+            o.fill_(float("nan"))
+
+    def written(outputs: list[torch.Tensor]) -> None:
+        for o in outputs:
+            assert not torch.isnan(o).any().item(), "TIDE-AG left an element unwritten"
+
+    handler = _ListHandler(rec.logs)
+    loggers = [logging.getLogger(n) for n in ("torchtitan_tide", "torchtitan")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.INFO)
+        lg.addHandler(handler)
+    fsdp_patch.tide_all_gather, fsdp_patch.tide_reduce = counted_ag, counted_rs
+    tide_ag.set_debug_hooks(before=poison, after=written)
+    tide_rs.set_poison(float("nan"))
+    try:
+        yield rec
+    finally:
+        fsdp_patch.tide_all_gather, fsdp_patch.tide_reduce = orig_ag, orig_rs
+        tide_ag.set_debug_hooks()
+        tide_rs.set_poison(None)
+        for lg, level in zip(loggers, levels):
+            lg.removeHandler(handler)
+            lg.setLevel(level)
+
+
+def _ranks(group: dist.ProcessGroup) -> list[int]:
+    return dist.get_process_group_ranks(group)
+
+
+def check_tide_ran(parts: list[nn.Module], rec: TideRecord, layout: Layout, dims) -> None:
+    """Every FSDP group of the TIDE model ran what it should: TIDE-AG (and TIDE-RS
+    unless ``layout.rs_fsdp2``) on its own all-gather group, whose ranks are those
+    of the ``fsdp`` mesh dimension (``efsdp`` for routed experts under EP); groups
+    named in ``layout.fsdp2_groups`` took FSDP2's path with their logged reason."""
+    from torchtitan_tide.comm import fsdp_patch
+
+    fsdp_ranks = _ranks(dims.get_mesh("fsdp").get_group())
+    efsdp_ranks = _ranks(dims.get_mesh("efsdp").get_group()) if dims.ep > 1 else None
+    log = "\n".join(rec.logs)
+    seen = 0
+    for part in parts:
+        for fqn, pg in fsdp_patch.fsdp_param_groups(part):
+            seen += 1
+            first = pg.fsdp_params[0]
+            ag_calls, rs_calls = rec.ag[id(first)], rec.rs[id(first)]
+            where = f"rank {dist.get_rank()} group {fqn!r}"
+            reason = layout.fsdp2_groups.get(fqn, layout.fsdp2_groups.get("*"))
+            if reason is not None:
+                assert ag_calls == 0, f"{where}: TIDE-AG ran, expected FSDP2's path"
+                assert reason in log, f"{where}: no log line with {reason!r} in:\n{log}"
+                continue
+            group = pg._all_gather_process_group
+            expected = efsdp_ranks if fqn.endswith("moe.experts") else fsdp_ranks
+            assert _ranks(group) == expected, f"{where}: FSDP group {_ranks(group)} != {expected}"
+            assert ag_calls > 0, f"{where}: TIDE-AG never ran; log:\n{log}"
+            assert rec.ag_groups[id(first)] is group, f"{where}: TIDE-AG on another group"
+            if layout.rs_fsdp2 is not None:
+                assert rs_calls == 0, f"{where}: TIDE-RS ran, expected FSDP2's reduce-scatter"
+                assert layout.rs_fsdp2 in log, f"{where}: no log line {layout.rs_fsdp2!r}"
+                continue
+            assert rs_calls > 0, f"{where}: TIDE-RS never ran; log:\n{log}"
+            assert rec.rs_groups[id(first)] is pg._reduce_scatter_process_group, (
+                f"{where}: TIDE-RS on another group than FSDP's reduce-scatter group"
+            )
+    assert seen > 0, "the TIDE model has no FSDP group"
+
+
+# ---------------------------------------------------------------- the run
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, tolerance: float, what: str) -> None:
+    assert not torch.isnan(b).any(), f"{what}: TIDE has NaN (an element left unwritten)"
+    if tolerance == 0.0:
+        assert torch.equal(a, b), f"{what}: not bitwise equal, max |diff| {(a - b).abs().max()}"
+    else:
+        torch.testing.assert_close(b, a, rtol=tolerance, atol=tolerance, msg=what)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def compare_grads(ref: list[nn.Module], tide: list[nn.Module], tol: float, step: int) -> int:
+    """Compare every parameter's local gradient shard; returns how many were compared."""
+    n = 0
+    for part_ref, part_tide in zip(ref, tide, strict=True):
+        named = zip(part_ref.named_parameters(), part_tide.named_parameters(), strict=True)
+        for (name, p_ref), (name_t, p_tide) in named:
+            assert name == name_t, (name, name_t)
+            what = f"rank {dist.get_rank()} step {step} grad of {name}"
+            assert (p_ref.grad is None) == (p_tide.grad is None), f"{what}: None on one side"
+            if p_ref.grad is None:
+                continue
+            _same(_local(p_ref.grad), _local(p_tide.grad), tol, what)
+            n += 1
+    return n
+
+
+def _batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + dp_rank)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def loss_fn(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten())
+
+
+class _Copy:
+    """One parallelized copy: its model parts, optimizer and (PP) schedule."""
+
+    def __init__(self, base: nn.Module, layout: Layout, dims, tide: dict) -> None:
+        from torchtitan_tide.config import Tide
+
+        jc = job_config_for(layout)
+        jc.tide = Tide(**tide)
+        fn = parallelize_fn_for(layout)
+        model = copy.deepcopy(base)
+        self.schedule = None
+        if layout.pp > 1:
+            from torchtitan.distributed.pipeline_parallel import pipeline_llm
+
+            self.schedule, self.parts, self.first, self.last = pipeline_llm(
+                model, dims, jc, torch.device("cpu"), model_args_for(layout), fn, loss_fn
+            )
+        else:
+            self.parts = [fn(model, dims, jc)]
+        params = [p for part in self.parts for p in part.parameters()]
+        self.opt = torch.optim.SGD(params, lr=LR)
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        if self.schedule is None:
+            loss = loss_fn(self.parts[0](x), y)
+            loss.backward()
+            return loss.detach()
+        losses: list[torch.Tensor] = []
+        self.schedule.step(
+            x if self.first else None, target=y if self.last else None, losses=losses,
+            return_outputs=False,
+        )  # fmt: skip
+        return torch.stack(losses).detach() if self.last else None
+
+    def step(self) -> None:
+        self.opt.step()
+        self.opt.zero_grad()
+
+
+def run_layout(rank: int, world_size: int, layout: Layout) -> None:
+    """Stock FSDP2 vs TIDE on ``layout`` (see the module docstring); asserts on failure."""
+    from torchtitan.distributed import ParallelDims
+
+    from torchtitan_tide.device import use_cpu_device
+
+    use_cpu_device()  # TorchTitan's device_type "cpu" (it falls back to "cuda" otherwise)
+    torch.manual_seed(0)
+    dims = ParallelDims(
+        dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, cp=1, tp=layout.tp,
+        pp=layout.pp, ep=layout.ep, etp=1, world_size=world_size,
+    )  # fmt: skip
+    dims.build_mesh()
+    base = build_model(layout)
+    # Dense mesh order (pp, dp_replicate, fsdp, tp): the data-parallel rank.
+    dp_rank = (rank // layout.tp) % (dims.dp_replicate * dims.dp_shard)
+    ref = _Copy(base, layout, dims, {"comm": "fsdp2"})
+    with watch_tide() as rec:
+        tide = _Copy(base, layout, dims, {"comm": "tide", **layout.tide})
+        for step in range(layout.steps):
+            x, y = _batch(step, dp_rank)
+            l_ref = ref.forward_backward(x, y)
+            l_tide = tide.forward_backward(x, y)
+            assert compare_grads(ref.parts, tide.parts, layout.tolerance, step) > 0
+            if l_ref is not None:
+                _same(l_ref, l_tide, layout.tolerance, f"rank {rank} step {step} loss")
+            ref.step()
+            tide.step()
+        check_tide_ran(tide.parts, rec, layout, dims)
