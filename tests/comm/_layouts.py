@@ -27,13 +27,34 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils import _pytree as pytree
+
+# Imported here, in the test process, so forked workers inherit them (each import costs
+# seconds per worker on 2 cores).
+from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.pipeline_parallel import pipeline_llm
+from torchtitan.models.llama3 import Transformer, TransformerModelArgs
+from torchtitan.models.llama3.infra.parallelize import parallelize_llama
+from torchtitan.models.qwen3 import qwen3_args
+from torchtitan.models.qwen3.infra.parallelize import parallelize_qwen3
+from torchtitan.models.qwen3.model.model import Qwen3Model
+
+from torchtitan_tide.comm import all_gather as tide_ag
+from torchtitan_tide.comm import fsdp_patch
+from torchtitan_tide.comm import reduce_scatter as tide_rs
+from torchtitan_tide.config import Tide
+from torchtitan_tide.device import use_cpu_device
+from torchtitan_tide.train import use_cpu_moe_kernels
+from torchtitan_tide.train_specs import wrap_parallelize
 
 VOCAB = 64
 SEQ = 16
@@ -45,14 +66,19 @@ LR = 0.5
 class Layout:
     """One parallelism layout of the matrix (``[parallelism]`` etc. of a TorchTitan job).
 
-    ``tide``: ``[tide]`` options (``torchtitan_tide.config.Tide`` fields) for the
-    TIDE copy. ``parallelize``: ``"torchtitan"`` (the train spec's function) or
+    ``tide``: ``[tide]`` options (``torchtitan_tide.config.Tide`` fields) of the TIDE
+    copies; one TIDE copy per ``local_world_sizes`` entry, all trained in lockstep with
+    the stock copy in the same processes (``[tide] local_world_size``: 0 = detected,
+    one node on this machine; 1 = every rank its own "node"; 2 = nodes of 2 ranks). ``parallelize``: ``"torchtitan"`` (the train spec's function) or
     ``"multi_root"`` (``fully_shard`` on the embedding, blocks, norm and output, not
-    on the model). ``fsdp2_groups``: FSDP module name (``"<root>"`` for the model) ->
+    on the model) or ``"replicate"`` (torch's FSDP2-based ``replicate``). ``fsdp2_groups``: FSDP module name (``"<root>"`` for the model) ->
     substring of the FSDP2-fallback line TIDE must log for it (those groups must not
     run TIDE-AG); ``"*"``: every group. ``rs_fsdp2``: substring of the TIDE-RS fallback line when every
     group is expected to keep FSDP2's reduce-scatter. ``tolerance``: 0 = bitwise
     (two ranks add per element: one fp32 addition, any order); else relative.
+    ``cpu_offload``: parameters marked CPU-offloaded (see :func:`_marked_offloaded`).
+    ``ag_extension``: parameter names made :class:`AllGatherExtensionTensor` (FSDP2's
+    all-gather extension, as float8 weights use) in both copies.
     """
 
     model: str = "llama3"
@@ -69,7 +95,9 @@ class Layout:
     param_dtype: str = "bfloat16"
     cpu_offload: bool = False
     num_experts: int = 8
+    ag_extension: tuple = ()
     tide: dict = field(default_factory=dict)
+    local_world_sizes: tuple = (0, 1)
     fsdp2_groups: dict = field(default_factory=dict)
     rs_fsdp2: str | None = None
     tolerance: float = 0.0
@@ -80,13 +108,10 @@ class Layout:
 
 
 def job_config_for(layout: Layout):
-    from torchtitan.config import JobConfig
-
     jc = JobConfig()
     jc.training.seq_len = SEQ
     jc.training.local_batch_size = BATCH
     jc.training.mixed_precision_param = layout.param_dtype
-    jc.training.enable_cpu_offload = layout.cpu_offload
     p = jc.parallelism
     p.data_parallel_replicate_degree = layout.dp_replicate
     p.data_parallel_shard_degree = layout.dp_shard
@@ -105,22 +130,16 @@ def job_config_for(layout: Layout):
 
 def model_args_for(layout: Layout):
     if layout.model == "llama3":
-        from torchtitan.models.llama3 import TransformerModelArgs
-
         return TransformerModelArgs(
             dim=64, n_layers=2 * layout.pp, n_heads=4, n_kv_heads=2, vocab_size=VOCAB,
             multiple_of=32, max_seq_len=SEQ, rope_theta=10000,
         )  # fmt: skip
     if layout.model == "qwen3_moe":
-        import dataclasses
-
-        from torchtitan.models.qwen3 import qwen3_args
-
         moe = qwen3_args["debugmodel_moe"]
-        return dataclasses.replace(
+        return replace(
             moe, vocab_size=VOCAB, max_seq_len=SEQ, head_dim=16, dim=64, n_layers=2,
             n_heads=4, n_kv_heads=2, hidden_dim=96, moe_inter_dim=32,
-            moe_args=dataclasses.replace(
+            moe_args=replace(
                 moe.moe_args, num_experts=layout.num_experts, top_k=2, use_grouped_mm=False
             ),
         )  # fmt: skip
@@ -130,36 +149,45 @@ def model_args_for(layout: Layout):
 def build_model(layout: Layout) -> nn.Module:
     """The same full model on every rank (one seed), weights initialized by TorchTitan."""
     args = model_args_for(layout)
-    if layout.model == "llama3":
-        from torchtitan.models.llama3 import Transformer
-    else:
-        from torchtitan.models.qwen3.model.model import Qwen3Model as Transformer
     torch.manual_seed(1234)
-    model = Transformer(args)
+    model = (Transformer if layout.model == "llama3" else Qwen3Model)(args)
     with torch.no_grad():
         model.init_weights()
     return model
 
 
 def parallelize_fn_for(layout: Layout) -> Callable:
-    from torchtitan_tide.train_specs import wrap_parallelize
+    """The train spec's parallelize_fn: ``wrap_parallelize`` (``comm.apply`` after it)
+    around TorchTitan's function or this module's ``layout.parallelize``."""
+    inner = {
+        "multi_root": _fully_shard_without_root,
+        "replicate": _replicate_blocks,
+        "torchtitan": parallelize_llama if layout.model == "llama3" else parallelize_qwen3,
+    }[layout.parallelize]
+    if layout.cpu_offload:
+        inner = _marked_offloaded(inner)
+    return wrap_parallelize(inner)
 
-    if layout.parallelize == "multi_root":
-        return wrap_parallelize(_fully_shard_without_root)
-    if layout.model == "llama3":
-        from torchtitan.models.llama3.infra.parallelize import parallelize_llama
 
-        return wrap_parallelize(parallelize_llama)
-    from torchtitan.models.qwen3.infra.parallelize import parallelize_qwen3
+def _marked_offloaded(parallelize: Callable) -> Callable:
+    """FSDP2's ``CPUOffloadPolicy`` cannot be built without an accelerator (it pins host
+    memory), so on this CPU machine the parameters are marked offloaded as the policy
+    marks them (``FSDPParam.offload_to_cpu``, the flag TIDE reads), on both copies;
+    FSDP2's offload copies are then CPU-to-CPU identities."""
 
-    return wrap_parallelize(parallelize_qwen3)
+    def parallelize_offloaded(model: nn.Module, parallel_dims, job_config) -> nn.Module:
+        model = parallelize(model, parallel_dims, job_config)
+        for _, pg in fsdp_patch.fsdp_param_groups(model):
+            for fp in pg.fsdp_params:
+                fp.offload_to_cpu = True
+        return model
+
+    return parallelize_offloaded
 
 
 def _fully_shard_without_root(model: nn.Module, parallel_dims, job_config) -> nn.Module:
     """``fully_shard`` on the embedding, each block, norm and output, NOT on the model:
     every one of them is its own FSDP root (own reduce-scatter stream in FSDP2)."""
-    from torchtitan.config import TORCH_DTYPE_MAP
-
     training = job_config.training
     kw = {
         "mesh": parallel_dims.get_mesh("fsdp"),
@@ -176,6 +204,72 @@ def _fully_shard_without_root(model: nn.Module, parallel_dims, job_config) -> nn
     for m in model.modules():
         if hasattr(m, "set_gradient_divide_factor"):
             m.set_gradient_divide_factor(1.0)
+    return model
+
+
+class AllGatherExtensionTensor(torch.Tensor):
+    """A parameter with FSDP2's all-gather extension (``fsdp_pre_all_gather`` /
+    ``fsdp_post_all_gather``), as torchao's float8 training weights have: it all-gathers
+    its data cast to ``param_dtype`` and unshards into a plain tensor. Every other op
+    runs on the wrapped data (the optimizer's update, FSDP's sharding ops)."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, data.shape, strides=data.stride(), storage_offset=data.storage_offset(),
+            dtype=data.dtype, device=data.device, requires_grad=data.requires_grad,
+        )  # fmt: skip
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self._data = data
+
+    def __repr__(self) -> str:
+        return f"AllGatherExtensionTensor({self._data!r})"
+
+    def __tensor_flatten__(self):
+        return ["_data"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return AllGatherExtensionTensor(inner["_data"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = pytree.tree_map_only(cls, lambda t: t._data, (args, kwargs or {}))
+        out = func(*unwrap[0], **unwrap[1])
+        if func._schema.is_mutable or func.__name__.endswith("_"):
+            return args[0] if args and isinstance(args[0], cls) else out
+        return pytree.tree_map_only(torch.Tensor, cls, out)
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        dtype = mp_policy.param_dtype or self._data.dtype
+        return (self._data.to(dtype),), None
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        (data,) = all_gather_outputs
+        if out is not None:  # FSDP gathered into the storage we returned before
+            if out.data_ptr() != data.data_ptr():
+                with torch.autograd._unsafe_preserve_version_counter(out):
+                    out.copy_(data)
+            return None
+        return data, (data,)
+
+
+def with_ag_extension(model: nn.Module, names: tuple) -> None:
+    for name in names:
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner)
+        data = getattr(module, attr).detach()
+        setattr(module, attr, nn.Parameter(AllGatherExtensionTensor(data)))
+
+
+def _replicate_blocks(model: nn.Module, parallel_dims, job_config) -> nn.Module:
+    """torch's FSDP2-based ``replicate`` (``replicate_with_fsdp``) on each block and the
+    model over the ``dp_replicate`` mesh: FSDP param groups with a replicate-only mesh."""
+    mesh = parallel_dims.get_mesh("dp_replicate")
+    for block in model.layers.values():
+        replicate(block, mesh=mesh)
+    replicate(model, mesh=mesh)
     return model
 
 
@@ -208,10 +302,6 @@ def watch_tide() -> Iterator[TideRecord]:
     (TIDE-AG: the unsharded storage before the transport writes it, checked after;
     TIDE-RS: every output and partial before it is written), capture the
     ``torchtitan_tide`` and ``torchtitan`` log lines."""
-    from torchtitan_tide.comm import all_gather as tide_ag
-    from torchtitan_tide.comm import fsdp_patch
-    from torchtitan_tide.comm import reduce_scatter as tide_rs
-
     rec = TideRecord()
     orig_ag, orig_rs = fsdp_patch.tide_all_gather, fsdp_patch.tide_reduce
 
@@ -259,13 +349,13 @@ def _ranks(group: dist.ProcessGroup) -> list[int]:
     return dist.get_process_group_ranks(group)
 
 
-def check_tide_ran(parts: list[nn.Module], rec: TideRecord, layout: Layout, dims) -> None:
+def check_tide_ran(
+    parts: list[nn.Module], rec: TideRecord, layout: Layout, dims, label: str = ""
+) -> None:
     """Every FSDP group of the TIDE model ran what it should: TIDE-AG (and TIDE-RS
     unless ``layout.rs_fsdp2``) on its own all-gather group, whose ranks are those
     of the ``fsdp`` mesh dimension (``efsdp`` for routed experts under EP); groups
     named in ``layout.fsdp2_groups`` took FSDP2's path with their logged reason."""
-    from torchtitan_tide.comm import fsdp_patch
-
     fsdp_ranks = _ranks(dims.get_mesh("fsdp").get_group())
     efsdp_ranks = _ranks(dims.get_mesh("efsdp").get_group()) if dims.ep > 1 else None
     log = "\n".join(rec.logs)
@@ -275,11 +365,16 @@ def check_tide_ran(parts: list[nn.Module], rec: TideRecord, layout: Layout, dims
             seen += 1
             first = pg.fsdp_params[0]
             ag_calls, rs_calls = rec.ag[id(first)], rec.rs[id(first)]
-            where = f"rank {dist.get_rank()} group {fqn!r}"
+            where = f"{label}rank {dist.get_rank()} group {fqn!r}"
             reason = layout.fsdp2_groups.get(fqn, layout.fsdp2_groups.get("*"))
             if reason is not None:
                 assert ag_calls == 0, f"{where}: TIDE-AG ran, expected FSDP2's path"
-                assert reason in log, f"{where}: no log line with {reason!r} in:\n{log}"
+                assert rs_calls == 0, f"{where}: TIDE-RS ran, expected FSDP2's path"
+                # install's decisions are logged by rank 0 (others only where theirs differ)
+                if dist.get_rank() == 0:
+                    line = f"{fqn}: FSDP2 path ("
+                    hits = [m for m in rec.logs if line in m and reason in m]
+                    assert hits, f"{where}: no log line {line!r} with {reason!r} in:\n{log}"
                 continue
             group = pg._all_gather_process_group
             expected = efsdp_ranks if fqn.endswith("moe.experts") else fsdp_ranks
@@ -312,14 +407,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def compare_grads(ref: list[nn.Module], tide: list[nn.Module], tol: float, step: int) -> int:
+def compare_grads(ref: list[nn.Module], tide: list[nn.Module], tol: float, label: str) -> int:
     """Compare every parameter's local gradient shard; returns how many were compared."""
     n = 0
     for part_ref, part_tide in zip(ref, tide, strict=True):
         named = zip(part_ref.named_parameters(), part_tide.named_parameters(), strict=True)
         for (name, p_ref), (name_t, p_tide) in named:
             assert name == name_t, (name, name_t)
-            what = f"rank {dist.get_rank()} step {step} grad of {name}"
+            what = f"{label} grad of {name}"
             assert (p_ref.grad is None) == (p_tide.grad is None), f"{what}: None on one side"
             if p_ref.grad is None:
                 continue
@@ -342,16 +437,13 @@ class _Copy:
     """One parallelized copy: its model parts, optimizer and (PP) schedule."""
 
     def __init__(self, base: nn.Module, layout: Layout, dims, tide: dict) -> None:
-        from torchtitan_tide.config import Tide
-
         jc = job_config_for(layout)
         jc.tide = Tide(**tide)
         fn = parallelize_fn_for(layout)
         model = copy.deepcopy(base)
+        with_ag_extension(model, layout.ag_extension)
         self.schedule = None
         if layout.pp > 1:
-            from torchtitan.distributed.pipeline_parallel import pipeline_llm
-
             self.schedule, self.parts, self.first, self.last = pipeline_llm(
                 model, dims, jc, torch.device("cpu"), model_args_for(layout), fn, loss_fn
             )
@@ -379,12 +471,8 @@ class _Copy:
 
 def run_layout(rank: int, world_size: int, layout: Layout) -> None:
     """Stock FSDP2 vs TIDE on ``layout`` (see the module docstring); asserts on failure."""
-    from torchtitan.distributed import ParallelDims
-
-    from torchtitan_tide.device import use_cpu_device
-
     use_cpu_device()  # TorchTitan's device_type "cpu" (it falls back to "cuda" otherwise)
-    torch.manual_seed(0)
+    use_cpu_moe_kernels()  # (forked workers: the patches end with them)
     dims = ParallelDims(
         dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, cp=1, tp=layout.tp,
         pp=layout.pp, ep=layout.ep, etp=1, world_size=world_size,
@@ -395,14 +483,23 @@ def run_layout(rank: int, world_size: int, layout: Layout) -> None:
     dp_rank = (rank // layout.tp) % (dims.dp_replicate * dims.dp_shard)
     ref = _Copy(base, layout, dims, {"comm": "fsdp2"})
     with watch_tide() as rec:
-        tide = _Copy(base, layout, dims, {"comm": "tide", **layout.tide})
+        tides = {
+            f"local_world_size={lws}": _Copy(
+                base, layout, dims, {"comm": "tide", **layout.tide, "local_world_size": lws}
+            )
+            for lws in layout.local_world_sizes
+        }
         for step in range(layout.steps):
             x, y = _batch(step, dp_rank)
             l_ref = ref.forward_backward(x, y)
-            l_tide = tide.forward_backward(x, y)
-            assert compare_grads(ref.parts, tide.parts, layout.tolerance, step) > 0
-            if l_ref is not None:
-                _same(l_ref, l_tide, layout.tolerance, f"rank {rank} step {step} loss")
+            for name, tide in tides.items():
+                l_tide = tide.forward_backward(x, y)
+                what = f"[tide {name}] rank {rank} step {step}"
+                assert compare_grads(ref.parts, tide.parts, layout.tolerance, what) > 0
+                if l_ref is not None:
+                    _same(l_ref, l_tide, layout.tolerance, f"{what} loss")
             ref.step()
-            tide.step()
-        check_tide_ran(tide.parts, rec, layout, dims)
+            for tide in tides.values():
+                tide.step()
+        for name, tide in tides.items():
+            check_tide_ran(tide.parts, rec, layout, dims, f"[tide {name}] ")
