@@ -169,10 +169,12 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def _build(param_dtype: torch.dtype | None, width: int = 1) -> nn.Module:
+def _build(
+    param_dtype: torch.dtype | None, width: int = 1, reduce_dtype: torch.dtype | None = torch.float32
+) -> nn.Module:
     torch.manual_seed(0)
     model = Shapes(width).to(_device())
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     fully_shard(model, mp_policy=mp)
     if _device().type == "cpu":  # gloo has no AVG/PREMUL_SUM
         for m in model.modules():
@@ -226,13 +228,20 @@ def _random_grads(model, dtype, gen, skip=("unused",)) -> dict[str, torch.Tensor
     return out
 
 
-def _numerics_worker(rank: int, world: int, options: dict, param_dtype) -> None:
+def _numerics_worker(
+    rank: int, world: int, options: dict, param_dtype, reduce_dtype=torch.float32
+) -> None:
     from torchtitan_tide import comm
     from torchtitan_tide.comm import reduce_scatter as tide_rs
 
     tide_rs.set_poison(float("nan"))
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("torchtitan_tide.comm.fsdp_patch").addHandler(handler)
+    logging.getLogger("torchtitan_tide.comm.fsdp_patch").setLevel(logging.INFO)
     grad_dtype = param_dtype or torch.float32
-    model = _build(param_dtype)
+    model = _build(param_dtype, reduce_dtype=reduce_dtype)
     comm.apply(model, "tide", **options)
     state = _param_group(model)._tide_rs_state
     gen = torch.Generator().manual_seed(100 + rank)
@@ -258,6 +267,8 @@ def _numerics_worker(rank: int, world: int, options: dict, param_dtype) -> None:
             err = (local.double() - ref).abs()
             assert (err <= bound + 1e-30).all(), (name, err.max().item())
     assert state.calls == 2
+    bf16_reduce = [m for m in records if "reduce dtype resolves to bf16" in m]
+    assert len(bf16_reduce) == (1 if reduce_dtype in (None, torch.bfloat16) else 0), records
     assert dict(model.named_parameters())["unused"].grad is None  # unused: no gradient
     comm.remove(model)
     tide_rs.set_poison(None)
@@ -276,6 +287,14 @@ def _numerics_worker(rank: int, world: int, options: dict, param_dtype) -> None:
 )
 def test_tide_rs_matches_float64_sum(world, options):
     spawn(_numerics_worker, world, options, torch.bfloat16)
+
+
+@pytest.mark.parametrize("reduce_dtype", [torch.bfloat16, None], ids=["bf16", "unset"])
+def test_tide_rs_bf16_reduce_dtype_sums_in_fp32(reduce_dtype):
+    """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16 or unset): FSDP2 drops
+    the reduce dtype and would sum in bf16; TIDE-RS sums in fp32 (the fp32 bound against
+    the float64 reference, which a bf16 sum misses) and says so once per group."""
+    spawn(_numerics_worker, 2, {}, torch.bfloat16, reduce_dtype)
 
 
 def test_tide_rs_fp32_gradients():

@@ -45,13 +45,14 @@ import torch.distributed as dist
 
 from . import kernels, streams
 from .plan import RSRound, WorldLayout, rs_cross_node_peers, rs_schedule, rs_segments
-from .transport import ReduceScatterTransport, global_rank
+from .transport import ReduceScatterTransport
 
 __all__ = [
     "RSBuffers",
     "TideRSState",
     "TideReduceResult",
     "rows_per_round",
+    "rs_numerics_note",
     "rs_unsupported_reason",
     "set_poison",
     "tide_reduce",
@@ -131,6 +132,9 @@ class TideRSState:
     rows: int
     ctas: int
     use_tide_stream: bool
+    global_ranks: tuple[int, ...] = ()  # global rank of every group rank (p2p peers)
+    # The group's FSDP2 reduce-scatter comm object at install (see TideGroupState).
+    fsdp_comm: object = None
     calls: int = 0
     stock_reasons: set[str] = field(default_factory=set)
 
@@ -174,6 +178,27 @@ def rs_unsupported_reason(
     effective = reduce_dtype or grad_dtype
     if effective != torch.float32 and (reduce_dtype is not None or orig_dtype != torch.float32):
         return f"reduce dtype {effective} (TIDE-RS accumulates and outputs fp32)"
+    return None
+
+
+def rs_numerics_note(
+    grads: list[torch.Tensor], reduce_dtype: torch.dtype | None, orig_dtype: torch.dtype | None
+) -> str | None:
+    """What TIDE-RS does differently from FSDP2's numerics for this reduce, or None.
+
+    FSDP2 drops ``reduce_dtype`` when it equals ``param_dtype`` (and leaves it unset by
+    default), so with bf16 parameters over fp32 master weights its reduce-scatter sums
+    in bf16 and casts the bf16 sum to fp32. TIDE-RS moves the same bf16 gradients but
+    always accumulates in fp32 and keeps the fp32 sum: closer to the exact sum, not
+    bitwise FSDP2's (docs/2026-12-01-cluster-layouts.md)."""
+    bf16_grads = bool(grads) and grads[0].dtype == torch.bfloat16
+    if reduce_dtype is None and bf16_grads and orig_dtype == torch.float32:
+        return (
+            "reduce dtype resolves to bf16 (MixedPrecisionPolicy reduce_dtype unset or equal "
+            "to param_dtype): FSDP2 would sum in bf16; TIDE-RS moves bf16 and sums in fp32 "
+            "into the fp32 gradient (more accurate; [tide] reduce_scatter = 'fsdp2' keeps "
+            "FSDP2's bf16 sum)"
+        )
     return None
 
 
@@ -239,8 +264,8 @@ def _cross_node_step(
     with _stream_ctx(cross):
         recv = state.buffers.take_recv(out.numel(), device)
         ops = [
-            dist.P2POp(dist.isend, partial, global_rank(group, send_peer), group),
-            dist.P2POp(dist.irecv, recv, global_rank(group, recv_peer), group),
+            dist.P2POp(dist.isend, partial, state.global_ranks[send_peer], group),
+            dist.P2POp(dist.irecv, recv, state.global_ranks[recv_peer], group),
         ]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
