@@ -204,6 +204,10 @@ def _foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, *args, *
                 state, fsdp_params, unsharded_grads, a["reduce_scatter_stream"],
                 a["orig_dtype"], device, a["gradient_divide_factor"],
                 rows=rows,
+                all_reduce_group=a["all_reduce_group"],
+                all_reduce_stream=a["all_reduce_stream"],
+                all_reduce_grads=a["all_reduce_grads"],
+                partial_reduce_output=a["partial_reduce_output"],
             )  # fmt: skip
             if fsdp_internals.REDUCE_RETURNS_STREAM:
                 return tuple(result)

@@ -161,12 +161,10 @@ def rs_unsupported_reason(
 ) -> str | None:
     """Why this reduce must take FSDP2's own path, or None. TIDE-RS moves bf16
     or fp32 gradients and accumulates in fp32, so the reduce dtype must be fp32
-    (or unset with fp32 sharded parameters). HSDP (an all-reduce group) and
-    user all-reduce hooks keep FSDP2's path: FSDP2 keeps partial sums across
-    microbatches in its own scaling convention, which a mix of paths would
-    break, and that path has no test here yet."""
-    if all_reduce_group is not None:
-        return "HSDP (replicate x shard mesh): FSDP2's reduce-scatter + all-reduce"
+    (or unset: see :func:`rs_numerics_note`). HSDP runs TIDE-RS on the shard group
+    and FSDP2's all-reduce across replicas (``all_reduce_group`` is accepted);
+    a user all-reduce hook keeps FSDP2's path."""
+    del all_reduce_group
     if all_reduce_hook is not None:
         return "a user all-reduce hook is set: FSDP2's path"
     dtypes = {g.dtype for g in grads}
@@ -235,13 +233,20 @@ def _stream_ctx(stream: torch.Stream | None):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
-def _divide_factor(group: dist.ProcessGroup, gradient_divide_factor: float | None) -> float:
+def _divide_factor(
+    group: dist.ProcessGroup,
+    gradient_divide_factor: float | None,
+    all_reduce_group: dist.ProcessGroup | None = None,
+) -> float:
     """FSDP2's total division: ``gradient_divide_factor`` if set, else the data
-    parallel (= reduce-scatter group) size. FSDP2 reaches the same total through
-    AVG / PREMUL_SUM / post-division, depending on backend."""
+    parallel size (reduce-scatter group x all-reduce group under HSDP). FSDP2
+    reaches the same total through AVG / PREMUL_SUM / pre- and post-division,
+    depending on backend; TIDE divides once, in its last addition, and the HSDP
+    all-reduce then sums."""
     if gradient_divide_factor is not None:
         return float(gradient_divide_factor)
-    return float(group.size())
+    replicas = all_reduce_group.size() if all_reduce_group is not None else 1
+    return float(group.size() * replicas)
 
 
 def _cross_node_step(
@@ -287,13 +292,22 @@ def tide_reduce(
     device: torch.device,
     gradient_divide_factor: float | None,
     rows: int,
+    all_reduce_group: dist.ProcessGroup | None = None,
+    all_reduce_stream: torch.Stream | None = None,
+    all_reduce_grads: bool = True,
+    partial_reduce_output: torch.Tensor | None = None,
 ) -> TideReduceResult:
     """Reduce-scatter one FSDP group's gradients with TIDE-RS and hand the fp32
-    shards to FSDP exactly as ``foreach_reduce`` does for a 1-D FSDP mesh (new
-    ``.grad`` or accumulation into it, post-accumulate hooks). ``unsharded_grads``
-    is cleared (references dropped) as FSDP expects. The caller checked
-    ``rs_unsupported_reason`` (which sends HSDP and all-reduce hooks to FSDP2's
-    path) and chose ``rows`` (>= 1) with :func:`rows_per_round`."""
+    shards to FSDP exactly as ``foreach_reduce`` does (new ``.grad`` or
+    accumulation into it, post-accumulate hooks). ``unsharded_grads`` is cleared
+    (references dropped) as FSDP expects. The caller checked
+    ``rs_unsupported_reason`` and chose ``rows`` (>= 1) with :func:`rows_per_round`.
+
+    HSDP (``all_reduce_group``): the TIDE-RS shard is all-reduced (SUM, the
+    division already done) across replicas on FSDP's ``all_reduce_stream``, as
+    FSDP2 does after its reduce-scatter; with ``all_reduce_grads=False`` (a
+    microbatch without sync) the shard is added into ``partial_reduce_output``
+    and returned there, and the next synced reduce adds it before the all-reduce."""
     layout, rank = state.layout, state.rank
     num_nodes, node = layout.num_nodes, layout.node_of(rank)
     grads = [
@@ -302,7 +316,7 @@ def tide_reduce(
     segments, shard_numel = rs_segments(
         [g.numel() for g in grads], [fp._sharded_param_data.numel() for fp in fsdp_params]
     )
-    final_divisor = _divide_factor(state.group, gradient_divide_factor)
+    final_divisor = _divide_factor(state.group, gradient_divide_factor, all_reduce_group)
     cuda = device.type == "cuda"
     if cuda:
         comm = streams.stream("tide", device) if state.use_tide_stream else reduce_scatter_stream
@@ -353,6 +367,7 @@ def tide_reduce(
     if cross is not None:
         out.record_stream(cross)
     fsdp_stream = post_stream if post_stream is not None else reduce_scatter_stream
+    all_reduce_input = all_reduce_event = None
     with _stream_ctx(post_stream):
         # Padding elements of this rank's shard (never read by FSDP's views) are
         # zero, as in FSDP2's reduce-scatter input.
@@ -360,6 +375,29 @@ def tide_reduce(
             valid = seg.valid(rank)
             if valid < seg.shard_numel:
                 out.narrow(0, seg.out_offset + valid, seg.shard_numel - valid).zero_()
+        if all_reduce_group is not None:
+            if not all_reduce_grads:  # microbatch without sync: keep the partial sum
+                if partial_reduce_output is not None:
+                    partial_reduce_output += out
+                else:
+                    partial_reduce_output = out
+                return TideReduceResult(
+                    streams.empty_on(device), reduce_scatter_event, fsdp_stream,
+                    _record(post_stream, fsdp_stream), None, None, partial_reduce_output,
+                )  # fmt: skip
+            if partial_reduce_output is not None:
+                out += partial_reduce_output
+    if all_reduce_group is not None:
+        if cuda:
+            assert all_reduce_stream is not None
+            all_reduce_stream.wait_stream(fsdp_stream)
+            out.record_stream(all_reduce_stream)
+            post_stream = fsdp_stream = all_reduce_stream
+        with _stream_ctx(post_stream):
+            dist.all_reduce(out, group=all_reduce_group)  # SUM: divided above
+            # FSDP holds these across layers so the block outlives the all-reduce.
+            all_reduce_input, all_reduce_event = out, _record(post_stream, fsdp_stream)
+    with _stream_ctx(post_stream):
         grad_out = out if orig_dtype in (None, torch.float32) else out.to(orig_dtype)
         for seg, fsdp_param in zip(segments, fsdp_params):
             new_sharded_grad = torch.as_strided(
@@ -381,8 +419,8 @@ def tide_reduce(
         reduce_scatter_event,
         fsdp_stream,
         post_reduce_event,
-        None,
-        None,
+        all_reduce_input,
+        all_reduce_event,
         None,
     )
 
