@@ -137,6 +137,20 @@ class TideRSState:
     fsdp_comm: object = None
     calls: int = 0
     stock_reasons: set[str] = field(default_factory=set)
+    # The RS plan, built on the first reduce of each shape and reused (pure functions
+    # of layout, rank, rows and the gradients' numels; host time on every backward).
+    plans: dict[tuple, tuple] = field(default_factory=dict)
+
+    def plan_for(self, numels: tuple[int, ...], shard_numels: tuple[int, ...], rows: int):
+        """``(segments, shard_numel, rounds by chunk node)`` of one reduce."""
+        key = (numels, shard_numels, rows)
+        if (cached := self.plans.get(key)) is None:
+            segments, shard_numel = rs_segments(list(numels), list(shard_numels))
+            chunk_rounds: dict[int, list[RSRound]] = {}
+            for rnd in rs_schedule(self.layout, self.rank, rows):
+                chunk_rounds.setdefault(rnd.chunk_node, []).append(rnd)
+            cached = self.plans[key] = (segments, shard_numel, chunk_rounds)
+        return cached
 
 
 class TideReduceResult(NamedTuple):
@@ -313,8 +327,10 @@ def tide_reduce(
     grads = [
         g.reshape(-1) if g.is_contiguous() else g.contiguous().view(-1) for g in unsharded_grads
     ]
-    segments, shard_numel = rs_segments(
-        [g.numel() for g in grads], [fp._sharded_param_data.numel() for fp in fsdp_params]
+    segments, shard_numel, chunk_rounds = state.plan_for(
+        tuple(g.numel() for g in grads),
+        tuple(fp._sharded_param_data.numel() for fp in fsdp_params),
+        rows,
     )
     final_divisor = _divide_factor(state.group, gradient_divide_factor, all_reduce_group)
     cuda = device.type == "cuda"
@@ -338,10 +354,6 @@ def tide_reduce(
 
     with _stream_ctx(comm):
         out = _poisoned(torch.empty(shard_numel, dtype=torch.float32, device=device))
-        rounds = rs_schedule(layout, rank, rows)
-        chunk_rounds: dict[int, list[RSRound]] = {}
-        for rnd in rounds:
-            chunk_rounds.setdefault(rnd.chunk_node, []).append(rnd)
         for chunk_node, chunk in chunk_rounds.items():
             own = chunk_node == node
             slot = -1
