@@ -64,8 +64,6 @@ def apply_comm_mode(model: nn.Module, tide: Tide) -> str:
     rank = dist.get_rank()
     backend = str(dist.get_backend())
     modules = fsdp_modules(model)
-    if (missing := comm.missing_reason(mode)) is not None:
-        raise CommModeError(f"[tide] comm = {mode!r}: {missing}. Use comm = 'fsdp2' or 'tide'.")
     if mode != "fsdp2" and not modules:
         raise CommModeError(
             f"[tide] comm = {mode!r} needs FSDP (data_parallel_shard_degree > 1 or -1), "

@@ -8,7 +8,7 @@ from torch import nn
 
 from torchtitan_tide import comm
 from torchtitan_tide.comm import TideOptions
-from torchtitan_tide.comm.options import resolve_local_world_size
+from torchtitan_tide.comm.topology import resolve_local_world_size
 
 
 def test_apply_on_non_fsdp_model_raises():
@@ -95,9 +95,9 @@ def _remove_and_fallback(rank: int, world_size: int) -> None:
 
     # Bad forced transports / layouts are named errors.
     c = build(scn, dev)
-    with pytest.raises(ValueError, match="transport='copy_engine' needs CUDA"):
+    with pytest.raises(ValueError, match=r"transport='copy_engine' \(\[tide\] ag_transport\) needs CUDA"):
         comm.apply(c, "tide", transport="copy_engine")
-    with pytest.raises(ValueError, match="transport='nccl_p2p' needs CUDA"):
+    with pytest.raises(ValueError, match=r"transport='nccl_p2p' \(\[tide\] ag_transport\) needs CUDA"):
         comm.apply(c, "tide", transport="nccl_p2p")
     with pytest.raises(ValueError, match="must divide the FSDP group size 2"):
         comm.apply(c, "tide", local_world_size=4)

@@ -80,13 +80,13 @@ def _worker(rank, world_size, buffers, options):
 
 
 def _node_group_worker(rank, world_size):
-    from torchtitan_tide.comm.fsdp_patch import _node_local_group
     from torchtitan_tide.comm.plan import WorldLayout
+    from torchtitan_tide.comm.topology import make_node_local_group
 
-    sub = _node_local_group(dist.group.WORLD, WorldLayout(4, 2))
+    world = dist.group.WORLD
+    sub = make_node_local_group(world, WorldLayout(4, 2), dist.get_process_group_ranks(world))
     assert sub.size() == 2
     assert dist.get_global_rank(sub, 0) == (rank // 2) * 2
-    assert _node_local_group(dist.group.WORLD, WorldLayout(4, 2)) is sub  # cached
 
 
 def test_node_local_group_cpu():

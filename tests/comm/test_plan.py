@@ -10,7 +10,6 @@ from torchtitan_tide.comm.plan import (
     build_group_plan,
     chunks_for_ranks,
     cross_node_exchanges,
-    local_pulls,
     node_local_exchanges,
     pace_chunks,
 )
@@ -142,13 +141,10 @@ def test_fallback_reasons():
     assert not build_group_plan([], layout, 0).uses_tide
 
 
-def test_pull_local_plan_and_pulls():
+def test_pull_local_plan():
     layout = WorldLayout(4, 4)
     plan = build_group_plan(_specs(4), layout, 2, pull_local=True)
     assert plan.exchanges == ()
-    assert local_pulls(layout, 2) == {0: (0,), 1: (1,), 3: (3,)}
-    with pytest.raises(ValueError):
-        local_pulls(WorldLayout(4, 2), 0)
 
 
 def test_mixed_dtypes_recorded():

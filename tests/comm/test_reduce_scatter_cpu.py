@@ -169,11 +169,16 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def _build(param_dtype: torch.dtype | None, width: int = 1) -> nn.Module:
+def _build(
+    param_dtype: torch.dtype | None,
+    width: int = 1,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    mesh=None,
+) -> nn.Module:
     torch.manual_seed(0)
     model = Shapes(width).to(_device())
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    fully_shard(model, mp_policy=mp)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    fully_shard(model, mp_policy=mp, mesh=mesh)
     if _device().type == "cpu":  # gloo has no AVG/PREMUL_SUM
         for m in model.modules():
             if hasattr(m, "set_force_sum_reduction_for_comms"):
@@ -226,13 +231,20 @@ def _random_grads(model, dtype, gen, skip=("unused",)) -> dict[str, torch.Tensor
     return out
 
 
-def _numerics_worker(rank: int, world: int, options: dict, param_dtype) -> None:
+def _numerics_worker(
+    rank: int, world: int, options: dict, param_dtype, reduce_dtype=torch.float32
+) -> None:
     from torchtitan_tide import comm
     from torchtitan_tide.comm import reduce_scatter as tide_rs
 
     tide_rs.set_poison(float("nan"))
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("torchtitan_tide.comm.fsdp_patch").addHandler(handler)
+    logging.getLogger("torchtitan_tide.comm.fsdp_patch").setLevel(logging.INFO)
     grad_dtype = param_dtype or torch.float32
-    model = _build(param_dtype)
+    model = _build(param_dtype, reduce_dtype=reduce_dtype)
     comm.apply(model, "tide", **options)
     state = _param_group(model)._tide_rs_state
     gen = torch.Generator().manual_seed(100 + rank)
@@ -258,6 +270,8 @@ def _numerics_worker(rank: int, world: int, options: dict, param_dtype) -> None:
             err = (local.double() - ref).abs()
             assert (err <= bound + 1e-30).all(), (name, err.max().item())
     assert state.calls == 2
+    bf16_reduce = [m for m in records if "reduce dtype resolves to bf16" in m]
+    assert len(bf16_reduce) == (1 if reduce_dtype in (None, torch.bfloat16) else 0), records
     assert dict(model.named_parameters())["unused"].grad is None  # unused: no gradient
     comm.remove(model)
     tide_rs.set_poison(None)
@@ -278,9 +292,66 @@ def test_tide_rs_matches_float64_sum(world, options):
     spawn(_numerics_worker, world, options, torch.bfloat16)
 
 
+@pytest.mark.parametrize("reduce_dtype", [torch.bfloat16, None], ids=["bf16", "unset"])
+def test_tide_rs_bf16_reduce_dtype_sums_in_fp32(reduce_dtype):
+    """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16 or unset): FSDP2 drops
+    the reduce dtype and would sum in bf16; TIDE-RS sums in fp32 (the fp32 bound against
+    the float64 reference, which a bf16 sum misses) and says so once per group."""
+    spawn(_numerics_worker, 2, {}, torch.bfloat16, reduce_dtype)
+
+
 def test_tide_rs_fp32_gradients():
     """No mixed precision: fp32 gradients on the wire, still TIDE-RS."""
     spawn(_numerics_worker, 2, {}, None)
+
+
+def _hsdp_worker(rank: int, world: int) -> None:
+    """HSDP (2 replicas x world/2 shards): TIDE-RS on the shard group, FSDP2's all-reduce
+    across replicas; a first microbatch without all-reduce keeps a partial sum that the
+    second, synced one adds. Checked against the float64 mean over ALL ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan_tide import comm
+    from torchtitan_tide.comm import reduce_scatter as tide_rs
+
+    tide_rs.set_poison(float("nan"))
+    shards = world // 2
+    mesh = init_device_mesh("cpu", (2, shards), mesh_dim_names=("replicate", "shard"))
+    model = _build(torch.bfloat16, mesh=mesh)
+    comm.apply(model, "tide")
+    group = _param_group(model)
+    state = group._tide_rs_state
+    gen = torch.Generator().manual_seed(300 + rank)
+    total: dict[str, torch.Tensor] = {}
+    magnitude: dict[str, torch.Tensor] = {}
+    for sync in (False, True):
+        model.set_requires_all_reduce(sync)
+        mine = _random_grads(model, torch.bfloat16, gen)
+        _reduce(model, mine)
+        for name, g in mine.items():
+            gathered = [torch.empty_like(g, dtype=torch.float64) for _ in range(world)]
+            dist.all_gather(gathered, g.double())
+            total[name] = total.get(name, 0) + sum(gathered) / world
+            magnitude[name] = magnitude.get(name, 0) + sum(t.abs() for t in gathered) / world
+    shard_rank = mesh.get_local_rank("shard")
+    for name, param in model.named_parameters():
+        if name == "unused":
+            continue
+        local = param.grad.to_local()
+        chunk = -(-total[name].shape[0] // shards)
+        rows = local.shape[0]
+        ref = total[name][shard_rank * chunk : shard_rank * chunk + rows]
+        bound = (world + 4) * EPS32 * magnitude[name][shard_rank * chunk : shard_rank * chunk + rows]
+        assert not torch.isnan(local).any(), name
+        err = (local.double() - ref).abs()
+        assert (err <= bound + 1e-30).all(), (name, err.max().item())
+    assert state.calls == 2 and state.group.size() == shards
+    comm.remove(model)
+    tide_rs.set_poison(None)
+
+
+def test_tide_rs_hsdp_with_partial_microbatch():
+    spawn(_hsdp_worker, 4)
 
 
 def _fp16_worker(rank: int, world: int) -> None:
@@ -343,14 +414,15 @@ def test_rs_buffer_flat_in_world_size():
 
 
 def test_which_reduces_take_fsdp2_path():
-    """HSDP, user all-reduce hooks, fp16 gradients and a bf16 reduce dtype keep FSDP2's path."""
+    """User all-reduce hooks, fp16 gradients and an explicit bf16 reduce dtype keep FSDP2's
+    path; HSDP (an all-reduce group) takes TIDE-RS (test_tide_rs_hsdp_with_partial_microbatch)."""
     from torchtitan_tide.comm.reduce_scatter import rs_unsupported_reason
 
     bf16 = [torch.zeros(3, dtype=torch.bfloat16)]
     fp32 = torch.float32
     assert rs_unsupported_reason(bf16, fp32, fp32) is None
     assert rs_unsupported_reason([torch.zeros(3)], None, fp32) is None  # fp32 grads, no MP
-    assert "HSDP" in rs_unsupported_reason(bf16, fp32, fp32, all_reduce_group=object())
+    assert rs_unsupported_reason(bf16, fp32, fp32, all_reduce_group=object()) is None
     assert "hook" in rs_unsupported_reason(bf16, fp32, fp32, all_reduce_hook=lambda t: None)
     assert "float16" in rs_unsupported_reason([bf16[0].half()], fp32, fp32)
     assert "reduce dtype" in rs_unsupported_reason(bf16, torch.bfloat16, fp32)

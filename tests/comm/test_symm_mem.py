@@ -96,7 +96,6 @@ def comm_types(model: nn.Module) -> list[tuple[str, str, str, bool]]:
 
 def test_registered_as_a_mode():
     assert "symm_mem" in comm.available_modes()
-    assert comm.missing_reason("symm_mem") is None
     assert comm._MODES["symm_mem"] == (symm_mem.apply, symm_mem.remove)
     assert launch.SYMM_MEM_ENV == symm_mem.ZERO_CTA_ENV == {"NCCL_CTA_POLICY": "2"}
 

@@ -4,7 +4,7 @@
 ``fully_shard`` (inside or outside TorchTitan); ``remove(model)`` undoes it.
 
 Modes: ``"fsdp2"`` (stock, no-op), ``"tide"`` (TIDE-AG: zero-copy all-gather
-into per-parameter storage; options in :class:`TideOptions`) and
+into per-parameter storage, and TIDE-RS; options in :class:`TideOptions`) and
 ``"symm_mem"`` (stock FSDP2 with its all-gather / reduce-scatter buffers in
 NCCL symmetric memory, zero-CTA copy-engine all-gather; ``comm/symm_mem.py``,
 options in :class:`~.symm_mem.SymmMemOptions`, registered below with
@@ -25,7 +25,6 @@ __all__ = [
     "TideOptions",
     "apply",
     "available_modes",
-    "missing_reason",
     "register_mode",
     "remove",
 ]
@@ -56,10 +55,6 @@ _MODES: dict[str, tuple[ApplyFn, RemoveFn]] = {
     "fsdp2": (_apply_fsdp2, _remove_fsdp2),
     "tide": (_apply_tide, fsdp_patch.uninstall),
 }
-# Known modes that are not built yet: name -> message.
-_PLANNED: dict[str, str] = {}
-
-
 def register_mode(name: str, apply_fn: ApplyFn, remove_fn: RemoveFn) -> None:
     """Register (or replace) a comm mode. ``apply_fn(model, **options)`` must
     raise ``ValueError`` on bad options; ``remove_fn(model)`` must undo it."""
@@ -69,13 +64,8 @@ def register_mode(name: str, apply_fn: ApplyFn, remove_fn: RemoveFn) -> None:
 register_mode("symm_mem", symm_mem.apply, symm_mem.remove)
 
 
-def missing_reason(mode: str) -> str | None:
-    """Why a known ``mode`` is not built yet (it is planned, not registered); else None."""
-    return None if mode in _MODES else _PLANNED.get(mode)
-
-
 def available_modes() -> tuple[str, ...]:
-    return tuple(sorted(set(_MODES) | set(_PLANNED)))
+    return tuple(sorted(_MODES))
 
 
 def apply(model: nn.Module, mode: str = "tide", **options: object) -> None:
@@ -83,8 +73,6 @@ def apply(model: nn.Module, mode: str = "tide", **options: object) -> None:
     to ``mode``. Call on every rank, in the same order, before the first
     forward or between steps (never while an all-gather is pending)."""
     if mode not in _MODES:
-        if (reason := missing_reason(mode)) is not None:
-            raise NotImplementedError(reason)
         raise ValueError(f"unknown comm mode {mode!r}; choose one of {available_modes()}")
     current = getattr(model, _MODE_ATTR, None)
     if current is not None and current != "fsdp2":

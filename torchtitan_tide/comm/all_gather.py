@@ -85,6 +85,9 @@ class TideGroupState:
     transport: AllGatherTransport
     group: dist.ProcessGroup
     fqn: str
+    # The group's FSDP2 all-gather comm object at install; another one later
+    # (set_custom_all_gather) sends the group back to FSDP2's path.
+    fsdp_comm: object = None
 
 
 # Test hooks: called with the list of unsharded storages before the transport

@@ -1,4 +1,4 @@
-"""The ONLY module that touches FSDP2 internals (torch 2.11 - 2.13).
+"""The only module that dispatches FSDP2's collectives to TIDE (torch 2.11 - 2.13).
 
 Why rebinding names: ``_fsdp_param_group`` imports ``foreach_all_gather``,
 ``foreach_all_gather_copy_out`` and ``foreach_reduce`` by name, so
@@ -6,239 +6,95 @@ FSDPParamGroup.unshard / wait_for_unshard / post_backward call whatever those
 module globals are. The public hooks (``set_custom_all_gather``,
 ``set_custom_reduce_scatter``) only see FSDP's flat buffers and cannot remove
 the copy-in, copy-out or ``chunk_cat``. We rebind the three globals to
-dispatching wrappers:
+dispatching wrappers (every read of FSDP2 internals is in ``fsdp_internals``):
 
 - a group marked by :func:`install` (``param_group._tide_ag_state``) in the
   sharded state and called with the group the plan was built for goes to
   TIDE-AG; every other call (unmarked groups, other models, the post-forward
-  mesh of ``reshard_after_forward=int``) goes to the original function;
+  mesh of ``reshard_after_forward=int``, a custom comm set after install) goes
+  to the original function;
 - a reduce of a group marked ``param_group._tide_rs_state`` on the group's
   reduce-scatter process group goes to TIDE-RS unless its dtypes need FSDP2's
   path (``reduce_scatter.rs_unsupported_reason``: logged once per group);
 - the wrappers are installed once (refcounted per model) and the originals
-  restored when the last model is removed.
+  restored when the last model is removed. If something else rebinds those
+  names after TIDE, TIDE is bypassed: the first forward of a TIDE model says so.
 
 ``unshard``/``wait_for_unshard``/``reshard``/``post_backward`` are untouched,
 so prefetching, resharding and FSDP's stream/event protocol stay FSDP2's.
 
-Version differences handled here: 2.13 keeps a list ``state._fsdp_param_groups``
-(2.11: one ``state._fsdp_param_group``); extra positional/keyword arguments of
-``foreach_all_gather`` (e.g. a label suffix) are passed through;
-``foreach_reduce`` returns 7 values on 2.13 (with ``post_reduce_stream``) and
-6 on 2.11 (``_REDUCE_RETURNS_STREAM``, read from its annotation).
+Install (:func:`install`) is collective over each FSDP process group and atomic:
+local decisions first, then one agreement (every rank's error, transport and
+decisions: ``all_gather_object``), then the collective set-up (node-local groups,
+symmetric slots), then a second agreement. A failure on any rank raises on every
+rank of its groups with that rank's message, and frees what was set up. Nothing
+collective runs when no group can use TIDE. State of one model (slots, transports,
+RS buffers, node-local groups) is owned by its :class:`TideContext`, dropped by
+:func:`uninstall`. Decisions: docs/2026-12-01-cluster-layouts.md.
 """
 
 from __future__ import annotations
 
-import inspect
+import contextlib
 import logging
-import socket
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.distributed.fsdp._fully_shard._fsdp_param_group as _fpg
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
-from . import kernels
+from . import fsdp_internals, kernels, topology
 from .all_gather import (
     TideAllGatherResult,
     TideGroupState,
     tide_all_gather,
     tide_all_gather_copy_out,
 )
-from .options import TideOptions, resolve_local_world_size
+from .fsdp_internals import fsdp_param_groups
+from .memory_plan import slot_sizes
+from .options import TideOptions
 from .plan import ParamSpec, WorldLayout, build_group_plan
 from .reduce_scatter import (
     RSBuffers,
     TideRSState,
     rows_per_round,
+    rs_numerics_note,
     rs_unsupported_reason,
     tide_reduce,
 )
-from .transport import AllGatherTransport, ReduceScatterTransport
+from .transport import AllGatherTransport, ReduceScatterTransport, clear_global_ranks
 from .transport.copy_engine import CopyEngineTransport, SymmSlots
 from .transport.p2p import P2PTransport
 
-__all__ = ["fsdp_param_groups", "install", "installed_refcount", "uninstall"]
+__all__ = ["TideContext", "fsdp_param_groups", "install", "installed_refcount", "uninstall"]
 
 logger = logging.getLogger(__name__)
 
 _MODEL_ATTR = "_tide_ag_installed"
 _GROUP_ATTR = "_tide_ag_state"
 _RS_ATTR = "_tide_rs_state"
-_PATCHED_NAMES = ("foreach_all_gather", "foreach_all_gather_copy_out", "foreach_reduce")
 _originals: dict[str, object] = {}
 _refcount = 0
+_bypass_warned: set[str] = set()
 # id(param_group.fsdp_params) -> weakref(param_group): the wrappers only see
 # FSDP's ``fsdp_params`` list, so this finds the group (identity re-checked).
 _groups_by_params: dict[int, weakref.ref] = {}
 # id(FSDPParam) -> weakref(param_group): foreach_reduce gets a new list of
 # the group's parameters that have gradients.
 _groups_by_param: dict[int, weakref.ref] = {}
-_REDUCE_RETURNS_STREAM = "Stream" in str(inspect.signature(_fpg.foreach_reduce).return_annotation)
-_REDUCE_SIGNATURE = inspect.signature(_fpg.foreach_reduce)
 
 
 @dataclass
-class _ModelRecord:
-    groups: list = field(default_factory=list)  # FSDPParamGroup
+class TideContext:
+    """Everything TIDE set up for one model; :func:`uninstall` drops it."""
+
+    groups: list = field(default_factory=list)  # FSDPParamGroup marked for TIDE
     slots: list = field(default_factory=list)  # SymmSlots
-
-
-# ---------------------------------------------------------------- discovery
-
-
-def fsdp_param_groups(model: nn.Module) -> list[tuple[str, object]]:
-    """``(module fqn, FSDPParamGroup)`` for every FSDP module of ``model``."""
-    out = []
-    for name, module in model.named_modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        state = module._get_fsdp_state()
-        groups = state.__dict__.get("_fsdp_param_groups")  # torch >= 2.12
-        if groups is None:  # torch 2.11
-            g = state.__dict__.get("_fsdp_param_group")
-            groups = [g] if g is not None else []
-        for g in groups:
-            out.append((name or "<root>", g))
-    return out
-
-
-def _ag_dtype(fsdp_param, mp_policy) -> torch.dtype:
-    """The all-gather (unsharded) dtype FSDP will use for this parameter: the
-    group's mixed-precision ``param_dtype`` unless it equals the sharded dtype
-    or the parameter is not floating point (FSDPParam.init_dtype_attrs rules;
-    FSDP sets ``fsdp_param.param_dtype`` only at lazy init, after apply)."""
-    orig = fsdp_param._sharded_param_data.dtype
-    param_dtype = mp_policy.param_dtype
-    if param_dtype is None or param_dtype == orig or not orig.is_floating_point:
-        return orig
-    return param_dtype
-
-
-def _param_spec(fsdp_param, mp_policy) -> ParamSpec:
-    reason = None
-    if fsdp_param.fsdp_placement.dim != 0:
-        reason = f"Shard({fsdp_param.fsdp_placement.dim}) placement"
-    elif hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather"):
-        reason = "custom fsdp_pre_all_gather extension"
-    elif fsdp_param.offload_to_cpu:
-        reason = "CPU offload"
-    return ParamSpec(
-        fqn=getattr(fsdp_param, "_param_fqn", None) or f"param{tuple(fsdp_param._orig_size)}",
-        shard_numel=fsdp_param._sharded_param_data.numel(),
-        dtype=str(_ag_dtype(fsdp_param, mp_policy)),
-        unsupported=reason,
-    )
-
-
-def _shard_bytes(param_group, which: str, align: int = 1) -> int:
-    """Bytes of one rank's shards of a group, each parameter rounded up to
-    ``align`` bytes. ``which="param"``: in the all-gather dtype, which is also
-    the gradient dtype (FSDP2 computes gradients in ``param_dtype``): the
-    copy-engine slot's packed shards (``align=16``, the layout
-    ``CopyEngineTransport.gather`` packs) and one TIDE-RS staging row.
-    ``"reduce"``: in the reduce dtype, in which FSDP accumulates unsynced
-    gradients."""
-    total = 0
-    for fp in param_group.fsdp_params:
-        dtype = _ag_dtype(fp, param_group.mp_policy)
-        if which == "reduce":
-            dtype = param_group.mp_policy.reduce_dtype or fp._sharded_param_data.dtype
-        nbytes = fp._sharded_param_data.numel() * dtype.itemsize
-        total += -(-nbytes // align) * align
-    return total
-
-
-def _one_node_p2p_ok(device: torch.device) -> tuple[bool, str]:
-    if device.type != "cuda":
-        return False, "not CUDA"
-    n = torch.cuda.device_count()
-    me = device.index if device.index is not None else torch.cuda.current_device()
-    blocked = [d for d in range(n) if d != me and not torch.cuda.can_device_access_peer(me, d)]
-    if blocked:
-        return False, f"no P2P access from cuda:{me} to {blocked}"
-    return True, "CUDA P2P to every local GPU"
-
-
-def _choose_transport(
-    options: TideOptions, layout: WorldLayout, device: torch.device, backend: str
-) -> tuple[str, str]:
-    """(transport kind "copy_engine" | "p2p", reason). Raises ValueError for a
-    forced transport that cannot work here."""
-    t = options.transport
-    if t == "copy_engine":
-        if device.type != "cuda" or ("nccl" not in backend and layout.num_nodes > 1):
-            raise ValueError(
-                f"tide option transport='copy_engine' needs CUDA parameters (and an NCCL group "
-                f"across nodes) (device={device.type}, backend={backend}); "
-                "use transport='auto' or 'gloo' on CPU"
-            )
-        return "copy_engine", "forced by option transport='copy_engine'"
-    if t == "nccl_p2p":
-        if device.type != "cuda" or "nccl" not in backend:
-            raise ValueError(
-                f"tide option transport='nccl_p2p' needs CUDA parameters and an NCCL group "
-                f"(device={device.type}, backend={backend}); use 'gloo' or 'auto' on CPU"
-            )
-        return "p2p", "forced by option transport='nccl_p2p'"
-    if t == "gloo":
-        if device.type != "cpu" or "gloo" not in backend:
-            raise ValueError(
-                f"tide option transport='gloo' needs CPU parameters and a gloo group "
-                f"(device={device.type}, backend={backend}); use 'nccl_p2p' or 'auto' on GPU"
-            )
-        return "p2p", "forced by option transport='gloo'"
-    # auto
-    shape = f"{layout.num_nodes} nodes x {layout.local_world_size}"
-    if layout.local_world_size == 1:
-        return "p2p", f"auto: {shape}: no node-local peers, point-to-point over {backend}"
-    ok, why = _one_node_p2p_ok(device)
-    if not ok:
-        return "p2p", f"auto: {shape} but {why}: point-to-point over {backend}"
-    if layout.num_nodes == 1:
-        return "copy_engine", f"auto: {shape}, {why}"
-    return "copy_engine", f"auto: {shape}, {why}; cross-node phase over {backend} p2p"
-
-
-_node_groups: dict[tuple[int, int], dist.ProcessGroup | None] = {}
-_hostnames: dict[int, list[str]] = {}
-
-
-def _group_hostnames(group: dist.ProcessGroup) -> list[str]:
-    """Host name of every rank of ``group`` (collective over ``group`` on first
-    use per group; cached)."""
-    if id(group) not in _hostnames:
-        names: list[str] = [""] * group.size()
-        dist.all_gather_object(names, socket.gethostname(), group=group)
-        _hostnames[id(group)] = names
-    return _hostnames[id(group)]
-
-
-def _node_local_group(group: dist.ProcessGroup, layout: WorldLayout) -> dist.ProcessGroup | None:
-    """The process group of this rank's node within ``group`` (for the
-    symmetric-memory rendezvous and barrier). Collective over ``group`` on
-    first use per (group, layout); cached. None when it cannot be made."""
-    if layout.num_nodes == 1:
-        return group
-    key = (id(group), layout.local_world_size)
-    if key not in _node_groups:
-        g = [dist.get_global_rank(group, r) for r in range(group.size())]
-        node_lists = [[g[r] for r in layout.node_ranks(m)] for m in range(layout.num_nodes)]
-        sub = None
-        if group.size() == dist.get_world_size():
-            sub, _ = dist.new_subgroups_by_enumeration(node_lists)
-        elif hasattr(dist, "split_group") and "nccl" in str(dist.get_backend(group)).lower():
-            try:  # needs an eagerly initialized parent (init_process_group(device_id=...))
-                sub = dist.split_group(group, split_ranks=node_lists)
-            except Exception as e:  # noqa: BLE001
-                logger.warning("TIDE-AG: split_group for node-local groups failed: %s", e)
-        _node_groups[key] = sub
-    return _node_groups[key]
+    node_groups: list = field(default_factory=list)  # node-local process groups made here
+    forward_hook: object = None  # RemovableHandle of the bypass check
 
 
 # ---------------------------------------------------------------- wrappers
@@ -254,7 +110,21 @@ def _tide_state_for(fsdp_params, group) -> TideGroupState | None:
         return None
     if any(fp.sharded_state != ShardedState.SHARDED for fp in fsdp_params):
         return None
+    if getattr(param_group, "_all_gather_comm", None) is not state.fsdp_comm:
+        _warn_custom_comm(param_group, state.fqn, "all-gather")
+        return None
     return state
+
+
+def _warn_custom_comm(param_group, fqn: str, which: str) -> None:
+    """A custom comm set on a TIDE group after install wins: FSDP2's path, said once."""
+    if not getattr(param_group, "_tide_custom_comm_logged", False):
+        param_group._tide_custom_comm_logged = True
+        logger.warning(
+            "TIDE %s: %s set after comm.apply (set_custom_all_gather / "
+            "set_custom_reduce_scatter); FSDP2's path runs it from now on",
+            fqn, fsdp_internals.custom_comm_reason(param_group) or f"custom {which}",
+        )  # fmt: skip
 
 
 def _foreach_all_gather(
@@ -297,13 +167,16 @@ def _rs_state_for(fsdp_params, reduce_scatter_group) -> TideRSState | None:
     members = {id(fp) for fp in param_group.fsdp_params}
     if any(id(fp) not in members for fp in fsdp_params):
         return None
+    if getattr(param_group, "_reduce_scatter_comm", None) is not state.fsdp_comm:
+        _warn_custom_comm(param_group, state.fqn, "reduce-scatter")
+        return None
     return state
 
 
 def _foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, *args, **kwargs):
     state = _rs_state_for(fsdp_params, reduce_scatter_group)
     if state is not None:
-        call = _REDUCE_SIGNATURE.bind(
+        call = fsdp_internals.REDUCE_SIGNATURE.bind(
             fsdp_params, unsharded_grads, reduce_scatter_group, *args, **kwargs
         )
         call.apply_defaults()
@@ -322,13 +195,21 @@ def _foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, *args, *
                     "one staging row of the copy-engine slots"
                 )
         if reason is None:
+            if state.calls == 0 and (note := rs_numerics_note(
+                unsharded_grads, a["reduce_dtype"], a["orig_dtype"]
+            )):  # fmt: skip
+                logger.info("TIDE-RS %s: %s", state.fqn, note)
             device = a["device"]
             result = tide_reduce(
                 state, fsdp_params, unsharded_grads, a["reduce_scatter_stream"],
                 a["orig_dtype"], device, a["gradient_divide_factor"],
                 rows=rows,
+                all_reduce_group=a["all_reduce_group"],
+                all_reduce_stream=a["all_reduce_stream"],
+                all_reduce_grads=a["all_reduce_grads"],
+                partial_reduce_output=a["partial_reduce_output"],
             )  # fmt: skip
-            if _REDUCE_RETURNS_STREAM:
+            if fsdp_internals.REDUCE_RETURNS_STREAM:
                 return tuple(result)
             return (result[0], result[1], *result[3:])
         if reason not in state.stock_reasons:
@@ -351,9 +232,10 @@ _wrappers = {
 def _acquire_wrappers() -> None:
     global _refcount
     if _refcount == 0:
-        for name in _PATCHED_NAMES:
-            _originals[name] = getattr(_fpg, name)
-            setattr(_fpg, name, _wrappers[name])
+        for name in fsdp_internals.PATCHED_NAMES:
+            _originals[name] = fsdp_internals.get_patched(name)
+            fsdp_internals.set_patched(name, _wrappers[name])
+        _bypass_warned.clear()
     _refcount += 1
 
 
@@ -361,14 +243,16 @@ def _release_wrappers() -> None:
     global _refcount
     _refcount -= 1
     if _refcount == 0:
-        for name in _PATCHED_NAMES:
-            if getattr(_fpg, name) is _wrappers[name]:
-                setattr(_fpg, name, _originals.pop(name))
+        for name in fsdp_internals.PATCHED_NAMES:
+            if fsdp_internals.get_patched(name) is _wrappers[name]:
+                fsdp_internals.set_patched(name, _originals.pop(name))
             else:
+                _originals.pop(name)
                 logger.warning(
-                    "TIDE: %s._%s was rebound by someone else after TIDE; not restoring",
-                    _fpg.__name__, name,
-                )  # fmt: skip
+                    "TIDE: FSDP2's %s was rebound by someone else after TIDE; not restoring",
+                    name,
+                )
+        clear_global_ranks()
 
 
 def installed_refcount() -> int:
@@ -376,184 +260,426 @@ def installed_refcount() -> int:
     return _refcount
 
 
+
+
 # ---------------------------------------------------------------- install
 
 
-def install(model: nn.Module, options: TideOptions) -> None:
-    """Mark every FSDP param group of ``model`` for TIDE-AG (and TIDE-RS) and install the
-    wrappers. Collective when a group uses the copy engine (symmetric-memory
-    rendezvous) and for logging: call on all ranks in the same order."""
-    if getattr(model, _MODEL_ATTR, None) is not None:
-        raise ValueError(
-            "comm.apply(mode='tide') was already called on this model; call remove first"
+class TideInstallError(RuntimeError):
+    """comm.apply(mode='tide') failed on some rank; raised on every rank of its groups
+    (as ``TideConfigError``, a ``ValueError``, when every failure was a bad option)."""
+
+
+class TideConfigError(TideInstallError, ValueError):
+    pass
+
+
+@dataclass
+class _Candidate:
+    """One FSDP param group TIDE may take, with what install decided for it."""
+
+    fqn: str
+    pg: object  # FSDPParamGroup
+    group: dist.ProcessGroup
+    device: torch.device
+    root: str
+    kind: str | None = None  # "copy_engine" | "p2p" | None (FSDP2's path)
+    why: str = ""
+    plan: object = None  # GroupPlan
+    layout: WorldLayout | None = None
+
+
+@contextlib.contextmanager
+def _control_plane():
+    """Install's own collectives run outside any dispatch mode or functorch
+    transform the caller may be in (they are control plane, not model math)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch._C._DisableFuncTorch():
+        yield
+
+
+def _distinct_groups(cands: list[_Candidate]) -> list[tuple[dist.ProcessGroup, torch.device]]:
+    """Each process group once, in model order (the same order on every rank)."""
+    seen: dict[int, tuple[dist.ProcessGroup, torch.device]] = {}
+    for c in cands:
+        seen.setdefault(id(c.group), (c.group, c.device))
+    return list(seen.values())
+
+
+def _agree(
+    groups: list[tuple[dist.ProcessGroup, torch.device]], what: str, payload: dict
+) -> dict[int, list[dict]]:
+    """One ``all_gather_object`` per process group of ``payload`` (which carries this
+    rank's ``"error"``, or None). Raises :class:`TideInstallError` on every rank when
+    any rank of any of this rank's groups reported an error; else returns every
+    rank's payload per ``id(group)``."""
+    gathered: dict[int, list[dict]] = {}
+    failures: dict[int, tuple[str, bool]] = {}
+    for group, _ in groups:
+        out: list[dict | None] = [None] * group.size()
+        dist.all_gather_object(out, payload, group=group)
+        gathered[id(group)] = out  # type: ignore[assignment]
+        for item in out:
+            if item is not None and item.get("error"):
+                failures[item["rank"]] = item["error"]
+    if failures:
+        by_message: dict[str, list[int]] = {}
+        for r, (msg, _) in sorted(failures.items()):
+            by_message.setdefault(msg, []).append(r)
+        lines = "; ".join(
+            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {msg}"
+            for msg, rs in by_message.items()
         )
-    named_groups = fsdp_param_groups(model)
-    if not named_groups:
-        raise ValueError(
-            "comm.apply(mode='tide') found no FSDP2 module in the model: shard it with "
-            "torch.distributed.fsdp.fully_shard first"
-        )
-    record = _ModelRecord()
-    decisions: list[str] = []
-    ce_groups: dict[tuple[int, torch.device], tuple[WorldLayout, list]] = {}
-    pending: list[tuple] = []
-    for fqn, pg in named_groups:
-        group = pg._all_gather_process_group
-        world = group.size()
+        config = all(is_config for _, is_config in failures.values())
+        cls = TideConfigError if config else TideInstallError
+        raise cls(f"comm.apply(mode='tide') failed during {what} on {lines}")
+    return gathered
+
+
+def _error_text(e: BaseException) -> tuple[str, bool]:
+    """(message, whether it is a bad option: ``ValueError``) of a failure to report."""
+    return f"{type(e).__name__}: {e}", isinstance(e, ValueError)
+
+
+def _select(model: nn.Module, decisions: list[str]) -> list[_Candidate]:
+    """The groups TIDE may take (no collectives); the others' reasons go to ``decisions``."""
+    roots = fsdp_internals.group_root_fqns(model)
+    cands: list[_Candidate] = []
+    for fqn, pg in fsdp_param_groups(model):
+        group = fsdp_internals.shard_group(pg)
         device = pg.device
-        if world == 1:
+        if group is None:
+            decisions.append(f"{fqn}: FSDP2 path (replicate-only mesh: nothing to all-gather)")
+        elif group.size() == 1:
             decisions.append(f"{fqn}: FSDP2 path (group of 1 rank: FSDP2 skips the all-gather)")
-            continue
-        if device.type not in ("cuda", "cpu"):
+        elif device.type not in ("cuda", "cpu"):
             decisions.append(f"{fqn}: FSDP2 path (device {device.type} not supported)")
-            continue
-        specs = [_param_spec(fp, pg.mp_policy) for fp in pg.fsdp_params]
-        lws, lws_source = resolve_local_world_size(options, _group_hostnames(group))
-        layout = WorldLayout(world, lws)
-        backend = str(dist.get_backend(group)).lower()
-        kind, why = _choose_transport(options, layout, device, backend)
-        plan = build_group_plan(specs, layout, group.rank(), pull_local=kind == "copy_engine")
-        if not plan.uses_tide:
-            decisions.append(f"{fqn}: FSDP2 path ({plan.fallback_reason})")
-            continue
-        pending.append((fqn, pg, group, device, plan, kind))
-        decisions.append(
-            f"{fqn}: transport={kind} ({why}); {len(plan.params)} params, "
-            f"{layout.num_nodes} nodes x {layout.local_world_size} ({lws_source}), "
-            f"dtypes {list(plan.dtypes)}"
+        elif (reason := fsdp_internals.custom_comm_reason(pg)) is not None:
+            decisions.append(f"{fqn}: FSDP2 path ({reason} set on this group)")
+        else:
+            cands.append(_Candidate(fqn, pg, group, device, roots.get(id(pg), "<root>")))
+    return cands
+
+
+def _decide(
+    cands: list[_Candidate],
+    options: TideOptions,
+    infos: dict[int, list[topology.RankInfo]],
+) -> None:
+    """Per candidate: layout, this rank's transport proposal, plan (local only)."""
+    for c in cands:
+        rank_infos = infos[id(c.group)]
+        lws, lws_source = topology.resolve_local_world_size(
+            options, topology.node_keys(rank_infos)
         )
-        if kind == "copy_engine":
-            ce_groups.setdefault((id(group), device), (layout, []))[1].append(pg)
-    tide_rs = options.reduce_scatter == "tide"
-    # One symmetric slot pair per (process group, device) on the node-local
-    # group: TIDE-AG needs the largest group's packed shards times the node
-    # count; with Slot-Reuse TIDE-RS stages its rows in the same slots.
-    slots_by_key: dict[tuple[int, torch.device], SymmSlots] = {}
-    rs_slots_by_key: dict[tuple[int, torch.device], SymmSlots] = {}
-    for key, (layout, pgs) in ce_groups.items():
-        group = pgs[0]._all_gather_process_group
-        node_group = _node_local_group(group, layout)
-        if node_group is None:
-            raise ValueError(
-                "TIDE-AG copy engine across nodes needs a node-local process group: the FSDP "
-                "group is a sub-group and torch.distributed.split_group is unavailable; use "
-                "tide option transport='nccl_p2p'"
+        layout = WorldLayout(c.group.size(), lws)
+        rank = c.group.rank()
+        access = (
+            topology.local_peer_access(rank_infos, layout, rank)
+            if c.device.type == "cuda" and lws > 1
+            else (False, "not CUDA" if c.device.type != "cuda" else "no node-local peers")
+        )
+        backend = str(dist.get_backend(c.group))
+        c.kind, c.why = topology.choose_transport(options, layout, c.device, backend, access)
+        c.layout = layout
+        c.why += f"; {layout.num_nodes} nodes x {lws} ({lws_source})"
+
+
+def _settle_transports(cands: list[_Candidate], gathered: dict[int, list[dict]]) -> None:
+    """Every rank of a group takes the same transport: the copy engine only where
+    every rank proposed it, else point-to-point where every rank can, else FSDP2's
+    path (the reason names the ranks that differ)."""
+    for i, c in enumerate(cands):
+        kinds = [item["kinds"][i] for item in gathered[id(c.group)]]
+        if len(set(kinds)) == 1:
+            continue
+        differ = sorted(r for r, k in enumerate(kinds) if k != c.kind)
+        c.kind = None if None in kinds else "p2p"
+        c.why = (
+            f"ranks disagree ({dict(enumerate(kinds))}; group ranks {differ} differ from this "
+            f"rank): {'point-to-point' if c.kind else 'FSDP2 path'} on every rank"
+        )
+
+
+def _build_plans(cands: list[_Candidate], decisions: list[str]) -> list[_Candidate]:
+    taken = []
+    for c in cands:
+        if c.kind is None:
+            decisions.append(f"{c.fqn}: FSDP2 path ({c.why})")
+            continue
+        specs = [
+            ParamSpec(
+                fqn=fsdp_internals.param_fqn(fp),
+                shard_numel=fp._sharded_param_data.numel(),
+                dtype=str(fsdp_internals.ag_dtype(fp, c.pg.mp_policy)),
+                unsupported=fsdp_internals.unsupported_param_reason(fp),
             )
-        ag_bytes = layout.num_nodes * max(_shard_bytes(pg, "param", align=16) for pg in pgs)
-        # rs_rows rows of gradients, and at least one row of fp32 gradients that
-        # FSDP accumulated (in the reduce dtype) over steps without sync.
-        rs_bytes = max(
-            max(min(options.rs_rows, layout.local_world_size) * _shard_bytes(pg, "param"),
-                _shard_bytes(pg, "reduce"))
-            for pg in pgs
-        )  # fmt: skip
-        shared = tide_rs and options.slot_reuse
-        slots_by_key[key] = SymmSlots.create(
-            max(ag_bytes, rs_bytes) if shared else ag_bytes,
-            node_group,
-            key[1],
-            barrier=options.slot_barrier,
+            for fp in c.pg.fsdp_params
+        ]
+        assert c.layout is not None
+        c.plan = build_group_plan(
+            specs, c.layout, c.group.rank(), pull_local=c.kind == "copy_engine"
         )
-        record.slots.append(slots_by_key[key])
-        barrier = slots_by_key[key].barrier_kind
+        if not c.plan.uses_tide:
+            decisions.append(f"{c.fqn}: FSDP2 path ({c.plan.fallback_reason})")
+            continue
         decisions.append(
-            f"copy-engine slots on {key[1]}: 2 x {slots_by_key[key].slot_bytes} B, barrier "
+            f"{c.fqn}: transport={c.kind} ({c.why}); {len(c.plan.params)} params, "
+            f"dtypes {list(c.plan.dtypes)}"
+        )
+        taken.append(c)
+    return taken
+
+
+def _create_slots(
+    cands: list[_Candidate], options: TideOptions, ctx: TideContext, decisions: list[str]
+) -> tuple[dict, dict]:
+    """Collective: node-local groups and symmetric slots per (process group, device)
+    of the copy-engine candidates. A group whose node-local group cannot be made
+    raises (the agreement after this turns it into one error on every rank)."""
+    tide_rs = options.reduce_scatter == "tide"
+    shared = tide_rs and options.slot_reuse
+    by_key: dict[tuple[int, torch.device], list[_Candidate]] = {}
+    for c in cands:
+        if c.kind == "copy_engine":
+            by_key.setdefault((id(c.group), c.device), []).append(c)
+    ag_slots: dict = {}
+    rs_slots: dict = {}
+    for key, members in by_key.items():
+        group, layout = members[0].group, members[0].layout
+        global_ranks = dist.get_process_group_ranks(group)
+        node_group = topology.make_node_local_group(group, layout, global_ranks)
+        if node_group is None:
+            raise RuntimeError(
+                "the copy engine across nodes needs a node-local process group, and "
+                "torch.distributed.split_group could not make one for this sub-group; "
+                "set [tide] ag_transport = 'nccl_p2p'"
+            )
+        if node_group is not group:
+            ctx.node_groups.append(node_group)
+        sizes = slot_sizes(
+            num_nodes=layout.num_nodes,
+            local_world_size=layout.local_world_size,
+            packed_shard_bytes=[
+                fsdp_internals.shard_bytes(c.pg, "param", align=16) for c in members
+            ],
+            grad_shard_bytes=[fsdp_internals.shard_bytes(c.pg, "param") for c in members],
+            reduce_shard_bytes=[fsdp_internals.shard_bytes(c.pg, "reduce") for c in members],
+            rs_rows=options.rs_rows,
+            tide_rs=tide_rs,
+            slot_reuse=options.slot_reuse,
+        )
+        ag_slots[key] = SymmSlots.create(
+            sizes.ag_slot_bytes, node_group, key[1], barrier=options.slot_barrier
+        )
+        ctx.slots.append(ag_slots[key])
+        barrier = ag_slots[key].barrier_kind
+        decisions.append(
+            f"copy-engine slots on {key[1]}: 2 x {ag_slots[key].slot_bytes} B, barrier "
             + ("stream flag write/wait (no SM kernel)" if barrier == "copy_engine" else
-               f"kernel (option slot_barrier={options.slot_barrier!r})")
+               f"kernel (option slot_barrier={options.slot_barrier!r}"
+               f"{'' if options.slot_barrier == 'kernel' else ': copy-engine barrier unavailable'})")
         )  # fmt: skip
         if tide_rs and not shared:
-            rs_slots_by_key[key] = SymmSlots.create(
-                rs_bytes, node_group, key[1], barrier=options.slot_barrier
+            rs_slots[key] = SymmSlots.create(
+                sizes.rs_slot_bytes, node_group, key[1], barrier=options.slot_barrier
             )
-            record.slots.append(rs_slots_by_key[key])
+            ctx.slots.append(rs_slots[key])
+    return ag_slots, rs_slots
+
+
+def _mark_groups(
+    cands: list[_Candidate],
+    options: TideOptions,
+    ag_slots: dict,
+    rs_slots: dict,
+    ctx: TideContext,
+    decisions: list[str],
+) -> None:
+    """Attach TIDE-AG/RS state to every taken group (local; no collective)."""
+    tide_rs = options.reduce_scatter == "tide"
+    multi_root = len({c.root for c in cands}) > 1
     p2p_by_key: dict[tuple[int, torch.device], P2PTransport] = {}
     buffers_by_key: dict[tuple[int, torch.device], RSBuffers] = {}
-    for fqn, pg, group, device, plan, kind in pending:
-        key = (id(group), device)
+    for c in cands:
+        key = (id(c.group), c.device)
+        global_ranks = tuple(dist.get_process_group_ranks(c.group))
         transport: AllGatherTransport
-        if kind == "copy_engine":
-            transport = CopyEngineTransport(slots_by_key[key])
+        if c.kind == "copy_engine":
+            transport = CopyEngineTransport(ag_slots[key])
         else:
             if key not in p2p_by_key:
                 p2p_by_key[key] = P2PTransport(
-                    "nccl_p2p" if device.type == "cuda" else "gloo", options.pacing
+                    "nccl_p2p" if c.device.type == "cuda" else "gloo", options.pacing
                 )
             transport = p2p_by_key[key]
-        setattr(pg, _GROUP_ATTR, TideGroupState(plan, transport, group, fqn))
-        _groups_by_params[id(pg.fsdp_params)] = weakref.ref(pg)
-        record.groups.append(pg)
+        ag_comm = getattr(c.pg, "_all_gather_comm", None)
+        setattr(c.pg, _GROUP_ATTR, TideGroupState(c.plan, transport, c.group, c.fqn, ag_comm))
+        _groups_by_params[id(c.pg.fsdp_params)] = weakref.ref(c.pg)
+        ctx.groups.append(c.pg)
         if not tide_rs:
-            decisions.append(f"{fqn}: reduce-scatter FSDP2 (option reduce_scatter='fsdp2')")
+            decisions.append(f"{c.fqn}: reduce-scatter FSDP2 (option reduce_scatter='fsdp2')")
             continue
-        if pg._reduce_scatter_process_group is not group:
-            decisions.append(f"{fqn}: reduce-scatter FSDP2 (all-gather and RS groups differ)")
+        if c.pg._reduce_scatter_process_group is not c.group:
+            decisions.append(f"{c.fqn}: reduce-scatter FSDP2 (all-gather and RS groups differ)")
             continue
-        shared = kind == "copy_engine" and options.slot_reuse
-        if kind == "copy_engine" and not shared:
-            rs_transport: ReduceScatterTransport = CopyEngineTransport(rs_slots_by_key[key])
-        else:
-            rs_transport = transport
-        layout = plan.layout
-        buffers = buffers_by_key.setdefault(key, RSBuffers(inflight=options.rs_inflight))
+        shared = c.kind == "copy_engine" and options.slot_reuse
+        rs_transport: ReduceScatterTransport = (
+            CopyEngineTransport(rs_slots[key]) if key in rs_slots else transport
+        )
+        layout = c.plan.layout
+        # Several FSDP roots have one reduce-scatter stream each; staging shared by
+        # the groups of a process group is only safe on one stream: TIDE's.
+        on_tide_stream = shared or (multi_root and c.device.type == "cuda")
         setattr(
-            pg,
+            c.pg,
             _RS_ATTR,
             TideRSState(
                 layout=layout,
-                rank=plan.rank,
-                group=group,
-                fqn=fqn,
+                rank=c.plan.rank,
+                group=c.group,
+                fqn=c.fqn,
                 transport=rs_transport,
-                buffers=buffers,
+                buffers=buffers_by_key.setdefault(key, RSBuffers(inflight=options.rs_inflight)),
                 rows=options.rs_rows,
                 ctas=options.rs_ctas,
-                use_tide_stream=shared,
+                use_tide_stream=on_tide_stream,
+                global_ranks=global_ranks,
+                fsdp_comm=getattr(c.pg, "_reduce_scatter_comm", None),
             ),
         )
-        for fp in pg.fsdp_params:
-            _groups_by_param[id(fp)] = weakref.ref(pg)
+        for fp in c.pg.fsdp_params:
+            _groups_by_param[id(fp)] = weakref.ref(c.pg)
         cross = (
-            f"; cross-node p2p over {str(dist.get_backend(group)).lower()}, "
+            f"; cross-node p2p over {str(dist.get_backend(c.group)).lower()}, "
             f"{options.rs_inflight} partials in flight"
             if layout.num_nodes > 1
             else ""
         )
         accumulate = (
             f"{kernels.triton_status()}, {options.rs_ctas} CTAs"
-            if device.type == "cuda"
+            if c.device.type == "cuda"
             else "torch"
         )
+        stream_note = (
+            " (staging in the TIDE-AG slots: Slot-Reuse)" if shared
+            else " (several FSDP roots: on TIDE's stream)" if on_tide_stream else ""
+        )  # fmt: skip
         decisions.append(
-            f"{fqn}: TIDE-RS node-local {kind}"
-            + (" (staging in the TIDE-AG slots: Slot-Reuse)" if shared else "")
-            + f", {min(options.rs_rows, layout.local_world_size)} rows per round{cross}; "
+            f"{c.fqn}: TIDE-RS node-local {c.kind}{stream_note}, "
+            f"{min(options.rs_rows, layout.local_world_size)} rows per round{cross}; "
             f"accumulate {accumulate}"
         )
-    _log_decisions(decisions)
-    setattr(model, _MODEL_ATTR, record)
-    if record.groups:
-        _acquire_wrappers()
-    else:
-        logger.warning("TIDE-AG: no FSDP group of this model can use TIDE; all take FSDP2's path")
 
 
-def _log_decisions(decisions: list[str]) -> None:
-    """Rank 0 logs its decisions; other ranks log (rank-tagged) only where
-    theirs differ from rank 0's."""
-    if not dist.is_initialized():
-        for d in decisions:
-            logger.info("TIDE-AG group %s", d)
+def install(model: nn.Module, options: TideOptions) -> None:
+    """Mark every FSDP param group of ``model`` that can use TIDE for TIDE-AG (and
+    TIDE-RS) and install the wrappers. Collective over each FSDP process group of
+    the groups TIDE may take (none when it can take none): call on all ranks, in
+    the same order. Raises on every rank of a group when any of its ranks fails."""
+    if getattr(model, _MODEL_ATTR, None) is not None:
+        raise ValueError(
+            "comm.apply(mode='tide') was already called on this model; call remove first"
+        )
+    decisions: list[str] = []
+    if not fsdp_param_groups(model):
+        if not any(isinstance(m, FSDPModule) for m in model.modules()):
+            raise ValueError(
+                "comm.apply(mode='tide') found no FSDP2 module in the model: shard it with "
+                "torch.distributed.fsdp.fully_shard first"
+            )
+        logger.info(
+            "TIDE: the model's %d FSDP module(s) manage no parameters; nothing to install",
+            fsdp_internals.fsdp_modules_without_groups(model),
+        )
+        setattr(model, _MODEL_ATTR, TideContext())
         return
-    ref = [decisions]
-    dist.broadcast_object_list(ref, src=0)
-    rank = dist.get_rank()
-    if rank == 0:
+    cands = _select(model, decisions)
+    ctx = TideContext()
+    if not cands:  # nothing collective when TIDE takes nothing
+        _log_decisions(decisions, None)
+        logger.warning("TIDE: no FSDP group of this model can use TIDE; all take FSDP2's path")
+        setattr(model, _MODEL_ATTR, ctx)
+        return
+    groups = _distinct_groups(cands)
+    with _control_plane():
+        infos = {id(g): topology.gather_rank_infos(g, device) for g, device in groups}
+        error = None
+        try:
+            _decide(cands, options, infos)
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            error = _error_text(e)
+        gathered = _agree(
+            groups, "planning",
+            {"rank": dist.get_rank(), "error": error, "kinds": [c.kind for c in cands]},
+        )  # fmt: skip
+        _settle_transports(cands, gathered)
+        taken = _build_plans(cands, decisions)
+        error = None
+        try:
+            ag_slots, rs_slots = _create_slots(taken, options, ctx, decisions)
+            _mark_groups(taken, options, ag_slots, rs_slots, ctx, decisions)
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            error = _error_text(e)
+        try:
+            gathered = _agree(
+                groups, "set-up", {"rank": dist.get_rank(), "error": error, "log": decisions}
+            )
+        except TideInstallError:
+            _drop(ctx)
+            raise
+    _log_decisions(decisions, gathered[id(groups[0][0])][0]["log"])
+    setattr(model, _MODEL_ATTR, ctx)
+    if ctx.groups:
+        _acquire_wrappers()
+        ctx.forward_hook = model.register_forward_pre_hook(_check_not_bypassed)
+    else:
+        logger.warning("TIDE: no FSDP group of this model can use TIDE; all take FSDP2's path")
+
+
+def _check_not_bypassed(module: nn.Module, args: object) -> None:
+    """Forward pre-hook of a TIDE model: warn once per name if FSDP2's functions
+    were rebound by someone else after TIDE (then TIDE is silently bypassed)."""
+    for name in fsdp_internals.PATCHED_NAMES:
+        if name not in _bypass_warned and fsdp_internals.get_patched(name) is not _wrappers[name]:
+            _bypass_warned.add(name)
+            logger.warning(
+                "TIDE: FSDP2's %s was rebound after comm.apply(mode='tide') by %r; TIDE is "
+                "bypassed for it until that is undone",
+                name, fsdp_internals.get_patched(name),
+            )  # fmt: skip
+
+
+def _log_decisions(decisions: list[str], reference: list[str] | None) -> None:
+    """Global rank 0 logs its decisions; other ranks log (rank-tagged) only the
+    ones that differ from ``reference`` (the first group's rank 0 decisions,
+    gathered by install's agreement: no collective of its own)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0 or reference is None:
         for d in decisions:
-            logger.info("TIDE-AG group %s", d)
+            logger.info("TIDE group %s", d)
         return
     for i, d in enumerate(decisions):
-        if i >= len(ref[0]) or ref[0][i] != d:
-            logger.info("TIDE-AG group [rank %d on %s] %s", rank, socket.gethostname(), d)
+        if i >= len(reference) or reference[i] != d:
+            logger.info("TIDE group [rank %d] %s", rank, d)
+
+
+def _drop(ctx: TideContext) -> None:
+    """Unmark the context's groups and free its slots and node-local groups (local;
+    the caller synchronized what peers may still read)."""
+    for pg in ctx.groups:
+        for attr in (_GROUP_ATTR, _RS_ATTR):
+            if hasattr(pg, attr):
+                delattr(pg, attr)
+        _groups_by_params.pop(id(pg.fsdp_params), None)
+        for fp in pg.fsdp_params:
+            _groups_by_param.pop(id(fp), None)
+    ctx.slots.clear()  # symmetric buffers are freed with their last reference
+    for node_group in ctx.node_groups:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group(node_group)
+    ctx.node_groups.clear()
 
 
 def uninstall(model: nn.Module) -> None:
@@ -561,22 +687,17 @@ def uninstall(model: nn.Module) -> None:
     Call it on all ranks between steps (never while an all-gather is pending):
     with the copy engine it is collective, since peers may still be pulling
     from this rank's symmetric buffer until everyone synchronizes."""
-    record: _ModelRecord | None = getattr(model, _MODEL_ATTR, None)
-    if record is None:
+    ctx: TideContext | None = getattr(model, _MODEL_ATTR, None)
+    if ctx is None:
         return
-    for slots in record.slots:
+    for slots in ctx.slots:
         device = slots.buffer.device
         torch.cuda.synchronize(device)  # own pulls and packs done
         slots.handle.barrier(channel=0)  # every local peer got here too
         torch.cuda.synchronize(device)
-    for pg in record.groups:
-        for attr in (_GROUP_ATTR, _RS_ATTR):
-            if hasattr(pg, attr):
-                delattr(pg, attr)
-        _groups_by_params.pop(id(pg.fsdp_params), None)
-        for fp in pg.fsdp_params:
-            _groups_by_param.pop(id(fp), None)
-    record.slots.clear()  # symmetric buffers are freed with their last reference
+    _drop(ctx)
+    if ctx.forward_hook is not None:
+        ctx.forward_hook.remove()
     delattr(model, _MODEL_ATTR)
-    if record.groups:
+    if ctx.groups:
         _release_wrappers()

@@ -3,7 +3,8 @@
 Pure Python (integer arithmetic on parameter shapes), so it answers for any GPU count
 without GPUs. ``python -m torchtitan_tide.plan`` builds the groups of a training TOML and
 prints this plan; ``scripts/bench/projection.py`` uses it for its scale projection. The
-TIDE sizes follow what ``comm.fsdp_patch`` allocates (slots, staging, RSBuffers).
+TIDE sizes follow what ``comm.fsdp_patch`` allocates (slots through the shared
+:func:`slot_sizes`, staging, RSBuffers).
 
 Notation (all per rank, in bytes unless said otherwise):
 
@@ -14,7 +15,7 @@ Notation (all per rank, in bytes unless said otherwise):
 - ``b_ag``: all-gather (param) dtype bytes; ``b_grad = b_ag`` (unsharded gradients);
   ``b_red``: reduce dtype bytes; ``b_master``: sharded parameter / optimizer dtype bytes.
 - ``A = max_g sum_p round16(s_p * b_ag)``: the largest group's shard packed with every
-  parameter 16-byte aligned (the copy-engine slot entry, ``fsdp_patch._packed_bytes``).
+  parameter 16-byte aligned (the copy-engine slot entry, ``fsdp_internals.shard_bytes(..., align=16)``).
 - ``slot(x) = round128(max(x, 16))``: a symmetric slot as ``SymmSlots.create`` makes it.
 
 Modes (formulas also in :data:`FORMULAS`, printed by the CLI):
@@ -60,6 +61,8 @@ __all__ = [
     "group_shard_numel",
     "padded_shard_numel",
     "plan_memory",
+    "slot_alloc_bytes",
+    "slot_sizes",
 ]
 
 MODES = ("fsdp2", "symm_mem", "tide", "tide_ag")
@@ -203,6 +206,54 @@ def aligned_group_bytes(group: GroupShape, world: int, itemsize: int) -> int:
     )
 
 
+@dataclass(frozen=True)
+class SlotSizes:
+    """Bytes of ONE slot (of the two) of the copy-engine buffers of one process group,
+    before ``slot_alloc_bytes`` rounding. ``rs_slot_bytes`` is 0 when TIDE-RS stages
+    in the AG slots (Slot-Reuse: ``ag_slot_bytes`` already covers it) or is off."""
+
+    ag_slot_bytes: int
+    rs_slot_bytes: int
+
+
+def slot_sizes(
+    *,
+    num_nodes: int,
+    local_world_size: int,
+    packed_shard_bytes: Sequence[int],
+    grad_shard_bytes: Sequence[int],
+    reduce_shard_bytes: Sequence[int],
+    rs_rows: int,
+    tide_rs: bool,
+    slot_reuse: bool,
+) -> SlotSizes:
+    """The one sizing rule of TIDE's copy-engine slots, used by ``fsdp_patch.install``
+    (real FSDP groups) and :func:`plan_memory` (shapes). Per FSDP group of one process
+    group: ``packed_shard_bytes`` = the rank's shards packed 16-byte aligned (``A_g``),
+    ``grad_shard_bytes`` = its shard in the gradient dtype (``S_g * b_grad``),
+    ``reduce_shard_bytes`` = in the reduce dtype (``S_g * b_red``).
+
+    AG: ``N * max_g A_g``. RS: ``max_g max(R * S_g * b_grad, S_g * b_red)`` with
+    ``R = min(L, rs_rows)``: R rows of gradients, and at least one row of the gradients
+    FSDP accumulated in the reduce dtype over steps without sync."""
+    ag = num_nodes * max(packed_shard_bytes, default=0)
+    rows = min(rs_rows, local_world_size)
+    rs = max(
+        (max(rows * g, r) for g, r in zip(grad_shard_bytes, reduce_shard_bytes)), default=0
+    )
+    if not tide_rs:
+        return SlotSizes(ag, 0)
+    if slot_reuse:
+        return SlotSizes(max(ag, rs), 0)
+    return SlotSizes(ag, rs)
+
+
+def slot_alloc_bytes(nbytes: int) -> int:
+    """A symmetric slot as ``SymmSlots.create`` allocates it: at least 16 bytes,
+    rounded up to 128."""
+    return _round_up(max(nbytes, SLOT_ELEMENT_ALIGN), SLOT_ALLOC_ALIGN)
+
+
 def plan_memory(
     groups: Sequence[GroupShape],
     world: int,
@@ -313,24 +364,38 @@ def _tide_buffers(
     rs_inflight: int,
     slot_reuse: bool,
 ) -> _TideBuffers:
-    """TIDE-AG slots and TIDE-RS buffers as ``fsdp_patch.apply`` sizes them."""
+    """TIDE-AG slots and TIDE-RS buffers as ``fsdp_patch.install`` sizes them
+    (the copy-engine slots through the same :func:`slot_sizes`)."""
     world, local, nodes = layout.world_size, layout.local_world_size, layout.num_nodes
-    ag_entry = max(aligned_group_bytes(g, world, dtypes.param_bytes) for g in groups)
-    shard_max = max(group_shard_numel(g, world) for g in groups)
+    shard = [group_shard_numel(g, world) for g in groups]
+    shard_max = max(shard)
     rows = min(local, rs_rows)
-    staging = rows * shard_max * dtypes.grad
     if local > 1:  # copy engine: symmetric slots
-        ag_slots = 2 * _slot(nodes * ag_entry)
+
+        def sizes(tide_rs: bool) -> SlotSizes:
+            return slot_sizes(
+                num_nodes=nodes,
+                local_world_size=local,
+                packed_shard_bytes=[aligned_group_bytes(g, world, dtypes.param_bytes) for g in groups],
+                grad_shard_bytes=[s * dtypes.grad for s in shard],
+                reduce_shard_bytes=[s * dtypes.reduce_bytes for s in shard],
+                rs_rows=rs_rows,
+                tide_rs=tide_rs,
+                slot_reuse=slot_reuse,
+            )
+
+        ag_slots = 2 * slot_alloc_bytes(sizes(tide_rs=False).ag_slot_bytes)
+        with_rs = sizes(tide_rs=True)
         notes = ["AG: unsharded parameters written in place; two persistent symmetric slots"]
         if slot_reuse:
-            rs_staging = 2 * _slot(max(nodes * ag_entry, staging)) - ag_slots
+            rs_staging = 2 * slot_alloc_bytes(with_rs.ag_slot_bytes) - ag_slots
             notes.append(f"RS: Slot-Reuse, {rows} staging rows share the AG slots")
         else:
-            rs_staging = 2 * _slot(staging)
+            rs_staging = 2 * slot_alloc_bytes(with_rs.rs_slot_bytes)
             notes.append(f"RS: two staging slots of {rows} rows of its own (no Slot-Reuse)")
     else:  # one rank per node: point-to-point straight into storage, one staging buffer
         ag_slots = 0
-        rs_staging = staging
+        rs_staging = rows * shard_max * dtypes.grad  # grown on first use to what a reduce needs
         notes = [
             "AG: one rank per node, point-to-point straight into storage, no slots",
             f"RS: point-to-point staging of {rows} row(s)",
@@ -345,5 +410,4 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _slot(nbytes: int) -> int:
-    return _round_up(max(nbytes, SLOT_ELEMENT_ALIGN), SLOT_ALLOC_ALIGN)
+

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 __all__ = [
-    "REDUCE_SCATTERS", "SLOT_BARRIERS", "TRANSPORTS", "TideOptions", "resolve_local_world_size",
+    "REDUCE_SCATTERS", "SLOT_BARRIERS", "TRANSPORTS", "TideOptions",
 ]  # fmt: skip
 
 TRANSPORTS = ("auto", "copy_engine", "nccl_p2p", "gloo")
@@ -27,10 +27,10 @@ class TideOptions:
         group's backend; both names select the same code, the name only
         documents the expected backend and is checked against it.
     local_world_size:
-        Ranks per node within the FSDP group. ``None``: found from the host
-        names of the group's ranks (see ``resolve_local_world_size``; this is
-        right for strided sub-groups where ``LOCAL_WORLD_SIZE`` or the device
-        count are not). Set it to test the cross-node path on one machine,
+        Ranks per node within the FSDP group. ``None``: found from the nodes
+        of the group's ranks (``topology.resolve_local_world_size``; right for
+        strided sub-groups where ``LOCAL_WORLD_SIZE`` or the device count are
+        not). Set it to test the cross-node path on one machine,
         e.g. 1 on 2 GPUs (2 "nodes" of 1) or 2 on 4 gloo ranks (2 x 2). Must
         divide the size of every FSDP group.
     pacing:
@@ -124,33 +124,3 @@ class TideOptions:
         if unknown:
             raise ValueError(f"unknown tide option(s) {unknown}; valid options are {sorted(known)}")
         return cls(**options)  # type: ignore[arg-type]
-
-
-def resolve_local_world_size(options: TideOptions, hostnames: list[str]) -> tuple[int, str]:
-    """Ranks per node of a group whose rank ``r`` runs on ``hostnames[r]``;
-    returns ``(local_world_size, how it was found)``.
-
-    The option wins (it must divide the group size, else ``ValueError``).
-    Otherwise the hosts decide: if every host holds one contiguous, equal-size
-    block of group ranks, that block size; if not (e.g. an FSDP group strided
-    across nodes with tensor parallelism inside the node), 1: every rank is
-    treated as its own node, which is always correct (p2p only).
-    """
-    world = len(hostnames)
-    if options.local_world_size is not None:
-        lws = options.local_world_size
-        if world % lws:
-            raise ValueError(
-                f"tide option local_world_size={lws} must divide the FSDP group size {world}; "
-                f"set it to a divisor of {world} or leave it unset to detect nodes by host"
-            )
-        return lws, "option local_world_size"
-    runs: list[list] = []  # [host, count] per run of equal consecutive hosts
-    for host in hostnames:
-        if runs and runs[-1][0] == host:
-            runs[-1][1] += 1
-        else:
-            runs.append([host, 1])
-    if len({h for h, _ in runs}) == len(runs) and len({c for _, c in runs}) == 1:
-        return runs[0][1], f"{len(runs)} host(s) with {runs[0][1]} consecutive group ranks each"
-    return 1, "ranks of a host are not one contiguous equal-size block: one rank per node"

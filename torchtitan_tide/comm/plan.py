@@ -30,7 +30,7 @@ Schedule (per rank, deterministic, identical on all ranks):
 2. node-local phase: every local peer ``l'`` needs the ``num_nodes`` shards
    ``(m, l)`` this rank holds. As point-to-point steps: step ``s`` sends to
    local index ``l + s`` and receives from ``l - s``. The copy-engine
-   transport instead pulls them in one batch (see ``local_pulls``).
+   transport instead pulls them in one batch (``transport/copy_engine.py``).
 
 When ``local_world_size == 1`` every cross-node step moves ONE contiguous
 chunk per parameter (the ``2**k`` node blocks are adjacent). When
@@ -55,7 +55,6 @@ __all__ = [
     "build_group_plan",
     "chunks_for_ranks",
     "cross_node_exchanges",
-    "local_pulls",
     "node_local_exchanges",
     "pace_chunks",
     "rs_cross_node_peers",
@@ -247,15 +246,6 @@ def node_local_exchanges(layout: WorldLayout, rank: int) -> list[Exchange]:
             )
         )
     return out
-
-
-def local_pulls(layout: WorldLayout, rank: int) -> dict[int, tuple[int, ...]]:
-    """For the pull-based (copy-engine) node-local phase with one node:
-    ``{peer: ranks whose shards are pulled from that peer}``. Only defined for
-    ``num_nodes == 1`` (every peer holds exactly its own shard)."""
-    if layout.num_nodes != 1:
-        raise ValueError("local_pulls is defined for a single node only")
-    return {p: (p,) for p in range(layout.world_size) if p != rank}
 
 
 def chunks_for_ranks(params: tuple[ParamPlan, ...], ranks: tuple[int, ...]) -> list[Chunk]:

@@ -45,13 +45,14 @@ import torch.distributed as dist
 
 from . import kernels, streams
 from .plan import RSRound, WorldLayout, rs_cross_node_peers, rs_schedule, rs_segments
-from .transport import ReduceScatterTransport, global_rank
+from .transport import ReduceScatterTransport
 
 __all__ = [
     "RSBuffers",
     "TideRSState",
     "TideReduceResult",
     "rows_per_round",
+    "rs_numerics_note",
     "rs_unsupported_reason",
     "set_poison",
     "tide_reduce",
@@ -131,8 +132,25 @@ class TideRSState:
     rows: int
     ctas: int
     use_tide_stream: bool
+    global_ranks: tuple[int, ...] = ()  # global rank of every group rank (p2p peers)
+    # The group's FSDP2 reduce-scatter comm object at install (see TideGroupState).
+    fsdp_comm: object = None
     calls: int = 0
     stock_reasons: set[str] = field(default_factory=set)
+    # The RS plan, built on the first reduce of each shape and reused (pure functions
+    # of layout, rank, rows and the gradients' numels; host time on every backward).
+    plans: dict[tuple, tuple] = field(default_factory=dict)
+
+    def plan_for(self, numels: tuple[int, ...], shard_numels: tuple[int, ...], rows: int):
+        """``(segments, shard_numel, rounds by chunk node)`` of one reduce."""
+        key = (numels, shard_numels, rows)
+        if (cached := self.plans.get(key)) is None:
+            segments, shard_numel = rs_segments(list(numels), list(shard_numels))
+            chunk_rounds: dict[int, list[RSRound]] = {}
+            for rnd in rs_schedule(self.layout, self.rank, rows):
+                chunk_rounds.setdefault(rnd.chunk_node, []).append(rnd)
+            cached = self.plans[key] = (segments, shard_numel, chunk_rounds)
+        return cached
 
 
 class TideReduceResult(NamedTuple):
@@ -157,12 +175,10 @@ def rs_unsupported_reason(
 ) -> str | None:
     """Why this reduce must take FSDP2's own path, or None. TIDE-RS moves bf16
     or fp32 gradients and accumulates in fp32, so the reduce dtype must be fp32
-    (or unset with fp32 sharded parameters). HSDP (an all-reduce group) and
-    user all-reduce hooks keep FSDP2's path: FSDP2 keeps partial sums across
-    microbatches in its own scaling convention, which a mix of paths would
-    break, and that path has no test here yet."""
-    if all_reduce_group is not None:
-        return "HSDP (replicate x shard mesh): FSDP2's reduce-scatter + all-reduce"
+    (or unset: see :func:`rs_numerics_note`). HSDP runs TIDE-RS on the shard group
+    and FSDP2's all-reduce across replicas (``all_reduce_group`` is accepted);
+    a user all-reduce hook keeps FSDP2's path."""
+    del all_reduce_group
     if all_reduce_hook is not None:
         return "a user all-reduce hook is set: FSDP2's path"
     dtypes = {g.dtype for g in grads}
@@ -174,6 +190,27 @@ def rs_unsupported_reason(
     effective = reduce_dtype or grad_dtype
     if effective != torch.float32 and (reduce_dtype is not None or orig_dtype != torch.float32):
         return f"reduce dtype {effective} (TIDE-RS accumulates and outputs fp32)"
+    return None
+
+
+def rs_numerics_note(
+    grads: list[torch.Tensor], reduce_dtype: torch.dtype | None, orig_dtype: torch.dtype | None
+) -> str | None:
+    """What TIDE-RS does differently from FSDP2's numerics for this reduce, or None.
+
+    FSDP2 drops ``reduce_dtype`` when it equals ``param_dtype`` (and leaves it unset by
+    default), so with bf16 parameters over fp32 master weights its reduce-scatter sums
+    in bf16 and casts the bf16 sum to fp32. TIDE-RS moves the same bf16 gradients but
+    always accumulates in fp32 and keeps the fp32 sum: closer to the exact sum, not
+    bitwise FSDP2's (docs/2026-12-01-cluster-layouts.md)."""
+    bf16_grads = bool(grads) and grads[0].dtype == torch.bfloat16
+    if reduce_dtype is None and bf16_grads and orig_dtype == torch.float32:
+        return (
+            "reduce dtype resolves to bf16 (MixedPrecisionPolicy reduce_dtype unset or equal "
+            "to param_dtype): FSDP2 would sum in bf16; TIDE-RS moves bf16 and sums in fp32 "
+            "into the fp32 gradient (more accurate; [tide] reduce_scatter = 'fsdp2' keeps "
+            "FSDP2's bf16 sum)"
+        )
     return None
 
 
@@ -210,13 +247,20 @@ def _stream_ctx(stream: torch.Stream | None):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
-def _divide_factor(group: dist.ProcessGroup, gradient_divide_factor: float | None) -> float:
+def _divide_factor(
+    group: dist.ProcessGroup,
+    gradient_divide_factor: float | None,
+    all_reduce_group: dist.ProcessGroup | None = None,
+) -> float:
     """FSDP2's total division: ``gradient_divide_factor`` if set, else the data
-    parallel (= reduce-scatter group) size. FSDP2 reaches the same total through
-    AVG / PREMUL_SUM / post-division, depending on backend."""
+    parallel size (reduce-scatter group x all-reduce group under HSDP). FSDP2
+    reaches the same total through AVG / PREMUL_SUM / pre- and post-division,
+    depending on backend; TIDE divides once, in its last addition, and the HSDP
+    all-reduce then sums."""
     if gradient_divide_factor is not None:
         return float(gradient_divide_factor)
-    return float(group.size())
+    replicas = all_reduce_group.size() if all_reduce_group is not None else 1
+    return float(group.size() * replicas)
 
 
 def _cross_node_step(
@@ -239,8 +283,8 @@ def _cross_node_step(
     with _stream_ctx(cross):
         recv = state.buffers.take_recv(out.numel(), device)
         ops = [
-            dist.P2POp(dist.isend, partial, global_rank(group, send_peer), group),
-            dist.P2POp(dist.irecv, recv, global_rank(group, recv_peer), group),
+            dist.P2POp(dist.isend, partial, state.global_ranks[send_peer], group),
+            dist.P2POp(dist.irecv, recv, state.global_ranks[recv_peer], group),
         ]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
@@ -262,22 +306,33 @@ def tide_reduce(
     device: torch.device,
     gradient_divide_factor: float | None,
     rows: int,
+    all_reduce_group: dist.ProcessGroup | None = None,
+    all_reduce_stream: torch.Stream | None = None,
+    all_reduce_grads: bool = True,
+    partial_reduce_output: torch.Tensor | None = None,
 ) -> TideReduceResult:
     """Reduce-scatter one FSDP group's gradients with TIDE-RS and hand the fp32
-    shards to FSDP exactly as ``foreach_reduce`` does for a 1-D FSDP mesh (new
-    ``.grad`` or accumulation into it, post-accumulate hooks). ``unsharded_grads``
-    is cleared (references dropped) as FSDP expects. The caller checked
-    ``rs_unsupported_reason`` (which sends HSDP and all-reduce hooks to FSDP2's
-    path) and chose ``rows`` (>= 1) with :func:`rows_per_round`."""
+    shards to FSDP exactly as ``foreach_reduce`` does (new ``.grad`` or
+    accumulation into it, post-accumulate hooks). ``unsharded_grads`` is cleared
+    (references dropped) as FSDP expects. The caller checked
+    ``rs_unsupported_reason`` and chose ``rows`` (>= 1) with :func:`rows_per_round`.
+
+    HSDP (``all_reduce_group``): the TIDE-RS shard is all-reduced (SUM, the
+    division already done) across replicas on FSDP's ``all_reduce_stream``, as
+    FSDP2 does after its reduce-scatter; with ``all_reduce_grads=False`` (a
+    microbatch without sync) the shard is added into ``partial_reduce_output``
+    and returned there, and the next synced reduce adds it before the all-reduce."""
     layout, rank = state.layout, state.rank
     num_nodes, node = layout.num_nodes, layout.node_of(rank)
     grads = [
         g.reshape(-1) if g.is_contiguous() else g.contiguous().view(-1) for g in unsharded_grads
     ]
-    segments, shard_numel = rs_segments(
-        [g.numel() for g in grads], [fp._sharded_param_data.numel() for fp in fsdp_params]
+    segments, shard_numel, chunk_rounds = state.plan_for(
+        tuple(g.numel() for g in grads),
+        tuple(fp._sharded_param_data.numel() for fp in fsdp_params),
+        rows,
     )
-    final_divisor = _divide_factor(state.group, gradient_divide_factor)
+    final_divisor = _divide_factor(state.group, gradient_divide_factor, all_reduce_group)
     cuda = device.type == "cuda"
     if cuda:
         comm = streams.stream("tide", device) if state.use_tide_stream else reduce_scatter_stream
@@ -299,10 +354,6 @@ def tide_reduce(
 
     with _stream_ctx(comm):
         out = _poisoned(torch.empty(shard_numel, dtype=torch.float32, device=device))
-        rounds = rs_schedule(layout, rank, rows)
-        chunk_rounds: dict[int, list[RSRound]] = {}
-        for rnd in rounds:
-            chunk_rounds.setdefault(rnd.chunk_node, []).append(rnd)
         for chunk_node, chunk in chunk_rounds.items():
             own = chunk_node == node
             slot = -1
@@ -328,6 +379,7 @@ def tide_reduce(
     if cross is not None:
         out.record_stream(cross)
     fsdp_stream = post_stream if post_stream is not None else reduce_scatter_stream
+    all_reduce_input = all_reduce_event = None
     with _stream_ctx(post_stream):
         # Padding elements of this rank's shard (never read by FSDP's views) are
         # zero, as in FSDP2's reduce-scatter input.
@@ -335,6 +387,29 @@ def tide_reduce(
             valid = seg.valid(rank)
             if valid < seg.shard_numel:
                 out.narrow(0, seg.out_offset + valid, seg.shard_numel - valid).zero_()
+        if all_reduce_group is not None:
+            if not all_reduce_grads:  # microbatch without sync: keep the partial sum
+                if partial_reduce_output is not None:
+                    partial_reduce_output += out
+                else:
+                    partial_reduce_output = out
+                return TideReduceResult(
+                    streams.empty_on(device), reduce_scatter_event, fsdp_stream,
+                    _record(post_stream, fsdp_stream), None, None, partial_reduce_output,
+                )  # fmt: skip
+            if partial_reduce_output is not None:
+                out += partial_reduce_output
+    if all_reduce_group is not None:
+        if cuda:
+            assert all_reduce_stream is not None
+            all_reduce_stream.wait_stream(fsdp_stream)
+            out.record_stream(all_reduce_stream)
+            post_stream = fsdp_stream = all_reduce_stream
+        with _stream_ctx(post_stream):
+            dist.all_reduce(out, group=all_reduce_group)  # SUM: divided above
+            # FSDP holds these across layers so the block outlives the all-reduce.
+            all_reduce_input, all_reduce_event = out, _record(post_stream, fsdp_stream)
+    with _stream_ctx(post_stream):
         grad_out = out if orig_dtype in (None, torch.float32) else out.to(orig_dtype)
         for seg, fsdp_param in zip(segments, fsdp_params):
             new_sharded_grad = torch.as_strided(
@@ -356,8 +431,8 @@ def tide_reduce(
         reduce_scatter_event,
         fsdp_stream,
         post_reduce_event,
-        None,
-        None,
+        all_reduce_input,
+        all_reduce_event,
         None,
     )
 

@@ -30,18 +30,24 @@ import torch.distributed as dist
 
 from ..plan import GroupPlan, RSRound, RSSegment, WorldLayout
 
-__all__ = ["AllGatherTransport", "ReduceScatterTransport", "global_rank"]
+__all__ = ["AllGatherTransport", "ReduceScatterTransport", "clear_global_ranks", "global_rank"]
 
-_GLOBAL_RANKS: dict[tuple[int, int], int] = {}
+# Keyed by the group object itself (a strong reference: no other group can reuse
+# its address while it is here); cleared when the last TIDE model is removed.
+_GLOBAL_RANKS: dict[dist.ProcessGroup, list[int]] = {}
 
 
 def global_rank(group: dist.ProcessGroup, group_rank: int) -> int:
-    """``dist.get_global_rank(group, group_rank)``, cached: point-to-point calls take
-    global ranks, and the lookup is on every all-gather's path."""
-    key = (id(group), group_rank)
-    if key not in _GLOBAL_RANKS:
-        _GLOBAL_RANKS[key] = dist.get_global_rank(group, group_rank)
-    return _GLOBAL_RANKS[key]
+    """``dist.get_global_rank(group, group_rank)``, cached per group: point-to-point
+    calls take global ranks, and the lookup is on every all-gather's path."""
+    ranks = _GLOBAL_RANKS.get(group)
+    if ranks is None:
+        ranks = _GLOBAL_RANKS[group] = dist.get_process_group_ranks(group)
+    return ranks[group_rank]
+
+
+def clear_global_ranks() -> None:
+    _GLOBAL_RANKS.clear()
 
 
 class AllGatherTransport(Protocol):

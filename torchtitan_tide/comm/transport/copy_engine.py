@@ -35,16 +35,27 @@ every peer reach that number (``cuStreamWaitValue32``, cyclic >=). The flag
 words are the last ``world`` 32-bit words of each buffer's symmetric signal pad
 (torch's barrier kernels use the first words). ``"kernel"``: torch's
 ``handle.barrier``, a 1-CTA kernel that spins on an SM while it waits.
+
+Memory ordering (docs/2026-12-01-cluster-layouts.md): peers' data writes into this
+rank's slot (TIDE-RS pushes) precede their flag write on their stream, and that
+write is fenced (``cuStreamWriteValue32`` without ``NO_MEMORY_BARRIER``: a
+system-scope fence for the stream's prior work), so the rows are visible once the
+flag is. Where the device reports ``CAN_FLUSH_REMOTE_WRITES`` the waits also carry
+``CU_STREAM_WAIT_VALUE_FLUSH``, which CUDA asks for when remote writes precede the
+flag. With ``CUDA_DEVICE_MAX_CONNECTIONS=1`` every stream shares one hardware queue
+and a parked wait would stall compute: the kernel barrier is used then (logged).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from ..memory_plan import slot_alloc_bytes
 from ..plan import GroupPlan, RSRound, RSSegment, RSSlice, WorldLayout, rs_push_slices
 from . import global_rank
 
@@ -54,6 +65,7 @@ logger = logging.getLogger(__name__)
 
 _batch_state: dict[str, object] = {"disabled_reason": None, "logged": False}
 _CU_STREAM_WAIT_VALUE_GEQ = 0  # cyclic: (int32)(*addr - value) >= 0
+_CU_STREAM_WAIT_VALUE_FLUSH = 1 << 30  # flush remote writes that reached the device
 # The barrier the last ``SymmSlots.create`` chose, and why not the copy engine (tests, logs).
 _barrier_state: dict[str, str | None] = {"kind": None, "fallback_reason": None}
 
@@ -75,6 +87,7 @@ class SymmSlots:
     barrier_seq: int = 0  # uint32 sequence number of the last copy-engine barrier
     peer_flags: list[torch.Tensor] | None = None  # uint32 signal pad of each rank, mapped here
     flags_base: int = 0  # first flag word in every signal pad (word ``flags_base + src``)
+    wait_flags: int = 0  # extra cuStreamWaitValue32 flags (FLUSH where the device has it)
 
     @classmethod
     def create(
@@ -90,7 +103,7 @@ class SymmSlots:
         every rank, logged with the reason."""
         import torch.distributed._symmetric_memory as symm_mem
 
-        slot_bytes = (max(slot_bytes, 16) + 127) // 128 * 128
+        slot_bytes = slot_alloc_bytes(slot_bytes)
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None:
             try:
@@ -133,8 +146,12 @@ def _setup_ce_barrier(slots: SymmSlots, device: torch.device) -> str | None:
     each driver call once locally (nothing to wait for); None on success, else why
     the copy-engine barrier cannot run here."""
     handle, world = slots.handle, len(slots.peer_ptrs)
+    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() == "1":
+        # One hardware queue: a stream parked on a peer's flag would stall every
+        # other stream of this GPU (compute included) until the peer arrives.
+        return "CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue for every stream)"
     try:
-        _cuda_driver()
+        driver = _cuda_driver()
         pad_words = int(handle.signal_pad_size) // 4
         if pad_words < 2 * world:
             return f"signal pad of {pad_words} words is too small for {world} ranks"
@@ -146,9 +163,12 @@ def _setup_ce_barrier(slots: SymmSlots, device: torch.device) -> str | None:
         stream = torch.cuda.current_stream(device)
         _wait_value32(stream, flags[me].data_ptr() + 4 * (base + me), 0)
         torch.cuda.synchronize(device)
+        attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES
+        err, can_flush = driver.cuDeviceGetAttribute(attr, device.index or 0)
     except Exception as e:  # noqa: BLE001 - any failure means "use the kernel barrier"
         return f"{type(e).__name__}: {e}"
     slots.peer_flags, slots.flags_base = flags, base
+    slots.wait_flags = _CU_STREAM_WAIT_VALUE_FLUSH if can_flush and not err else 0
     return None
 
 
@@ -158,8 +178,9 @@ def _cuda_driver():
     return driver
 
 
-def _wait_value32(stream: torch.cuda.Stream, address: int, value: int) -> None:
-    """``stream`` waits (no SM) until the uint32 at ``address`` is cyclically >= ``value``."""
+def _wait_value32(stream: torch.cuda.Stream, address: int, value: int, flags: int = 0) -> None:
+    """``stream`` waits (no SM) until the uint32 at ``address`` is cyclically >= ``value``;
+    ``flags`` may add ``_CU_STREAM_WAIT_VALUE_FLUSH``."""
     driver = _cuda_driver()
 
     def wait():
@@ -167,7 +188,7 @@ def _wait_value32(stream: torch.cuda.Stream, address: int, value: int) -> None:
             driver.CUstream(stream.cuda_stream),
             driver.CUdeviceptr(address),
             driver.cuuint32_t(value),
-            _CU_STREAM_WAIT_VALUE_GEQ,
+            _CU_STREAM_WAIT_VALUE_GEQ | flags,
         )
         return res[0] if isinstance(res, tuple) else res
 
@@ -196,7 +217,7 @@ def _ce_barrier(slots: SymmSlots, stream: torch.cuda.Stream) -> None:
             torch.ops.symm_mem.stream_write_value32_(slots.peer_flags[peer], base + me, seq)
     own = slots.peer_flags[me].data_ptr()
     for peer in peers:
-        _wait_value32(stream, own + 4 * (base + peer), seq)
+        _wait_value32(stream, own + 4 * (base + peer), seq, slots.wait_flags)
 
 
 def _cudart():

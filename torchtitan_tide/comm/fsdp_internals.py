@@ -1,0 +1,176 @@
+"""Every read of FSDP2 internals, and every torch-version difference (2.11 - 2.13).
+
+The TIDE stack (``fsdp_patch``) and the ``symm_mem`` baseline read FSDP2 only through
+this module, so a torch upgrade is checked in one place. What is read:
+
+- the param groups of a module: 2.12+ keeps a list ``state._fsdp_param_groups``,
+  2.11 one ``state._fsdp_param_group`` (None for a module without parameters);
+- a group's mesh: ``mesh_info`` is ``FSDPMeshInfo`` (shard dim), ``HSDPMeshInfo``
+  (shard + replicate) or ``DDPMeshInfo`` (``replicate()``: no shard group, and
+  ``_all_gather_process_group`` asserts);
+- a parameter's sharded data, placement, extensions and offload flag, and the
+  all-gather dtype FSDP will use (``FSDPParam.init_dtype_attrs`` rules);
+- the group's comm objects (``_all_gather_comm`` / ``_reduce_scatter_comm``: set by
+  ``set_custom_all_gather`` / ``set_custom_reduce_scatter``);
+- ``foreach_reduce``'s signature and return arity (7 values with ``post_reduce_stream``
+  on 2.13, 6 on 2.11);
+- the three names TIDE rebinds in ``_fsdp_param_group`` (it imports them by name, so
+  patching ``_fsdp_collectives`` would do nothing).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+import torch.distributed.fsdp._fully_shard._fsdp_param_group as _fpg
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+
+__all__ = [
+    "PATCHED_NAMES",
+    "REDUCE_RETURNS_STREAM",
+    "REDUCE_SIGNATURE",
+    "ag_dtype",
+    "custom_comm_reason",
+    "fsdp_modules_without_groups",
+    "fsdp_param_groups",
+    "get_patched",
+    "group_root_fqns",
+    "set_patched",
+    "shard_bytes",
+    "shard_group",
+    "unsupported_param_reason",
+]
+
+PATCHED_NAMES = ("foreach_all_gather", "foreach_all_gather_copy_out", "foreach_reduce")
+REDUCE_SIGNATURE = inspect.signature(_fpg.foreach_reduce)
+REDUCE_RETURNS_STREAM = "Stream" in str(REDUCE_SIGNATURE.return_annotation)
+
+
+def get_patched(name: str) -> object:
+    """The function ``_fsdp_param_group`` calls as ``name`` now."""
+    return getattr(_fpg, name)
+
+
+def set_patched(name: str, fn: object) -> None:
+    setattr(_fpg, name, fn)
+
+
+def _module_groups(module: FSDPModule) -> list:
+    state = module._get_fsdp_state()
+    groups = state.__dict__.get("_fsdp_param_groups")  # torch >= 2.12
+    if groups is None:  # torch 2.11
+        group = state.__dict__.get("_fsdp_param_group")
+        groups = [group] if group is not None else []
+    return list(groups)
+
+
+def fsdp_param_groups(model: nn.Module) -> list[tuple[str, object]]:
+    """``(module fqn, FSDPParamGroup)`` for every FSDP module of ``model`` that has
+    parameters, in module order (identical on every rank of an SPMD program)."""
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            out.extend((name or "<root>", g) for g in _module_groups(module))
+    return out
+
+
+def fsdp_modules_without_groups(model: nn.Module) -> int:
+    """How many FSDP modules of ``model`` manage no parameters (``fully_shard`` on
+    a module whose parameters all belong to inner FSDP modules, or none at all)."""
+    return sum(1 for m in model.modules() if isinstance(m, FSDPModule) and not _module_groups(m))
+
+
+def group_root_fqns(model: nn.Module) -> dict[int, str]:
+    """``id(FSDPParamGroup) -> fqn of its FSDP root``: the outermost FSDP module
+    around it. FSDP2 makes that module the root at lazy init (its forward runs
+    first), and each root has its own comm context and reduce-scatter stream."""
+    roots: dict[int, str] = {}
+    fsdp_prefixes: list[str] = []  # fqns of the FSDP roots seen so far
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        root = next(
+            (p for p in fsdp_prefixes if p == "" or name == p or name.startswith(p + ".")), None
+        )
+        if root is None:
+            root = name
+            fsdp_prefixes.append(name)
+        for g in _module_groups(module):
+            roots[id(g)] = root or "<root>"
+    return roots
+
+
+def shard_group(param_group) -> dist.ProcessGroup | None:
+    """The group's shard (all-gather) process group, or None for a replicate-only
+    mesh (``replicate()``: nothing is all-gathered)."""
+    mesh_info = param_group.mesh_info
+    if not isinstance(mesh_info, FSDPMeshInfo):
+        return None
+    return mesh_info.shard_process_group
+
+
+def custom_comm_reason(param_group) -> str | None:
+    """Why the group's collectives are not FSDP2's defaults (``set_custom_all_gather``
+    / ``set_custom_reduce_scatter``, ``set_symm_mem_for_comm``), or None."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as coll
+
+    found = []
+    ag = getattr(param_group, "_all_gather_comm", None)
+    if ag is not None and type(ag) is not getattr(coll, "DefaultAllGather", type(ag)):
+        found.append(f"all-gather comm {type(ag).__name__}")
+    rs = getattr(param_group, "_reduce_scatter_comm", None)
+    if rs is not None and type(rs) is not getattr(coll, "DefaultReduceScatter", type(rs)):
+        found.append(f"reduce-scatter comm {type(rs).__name__}")
+    return " and ".join(found) or None
+
+
+def ag_dtype(fsdp_param, mp_policy) -> torch.dtype:
+    """The all-gather (unsharded) dtype FSDP will use for this parameter: the
+    group's mixed-precision ``param_dtype`` unless it equals the sharded dtype
+    or the parameter is not floating point (FSDPParam.init_dtype_attrs rules;
+    FSDP sets ``fsdp_param.param_dtype`` only at lazy init, after apply)."""
+    orig = fsdp_param._sharded_param_data.dtype
+    param_dtype = mp_policy.param_dtype
+    if param_dtype is None or param_dtype == orig or not orig.is_floating_point:
+        return orig
+    return param_dtype
+
+
+def unsupported_param_reason(fsdp_param) -> str | None:
+    """Why TIDE cannot place this parameter (FSDP2 must gather it), or None."""
+    if fsdp_param.fsdp_placement.dim != 0:
+        return f"Shard({fsdp_param.fsdp_placement.dim}) placement"
+    if hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather"):
+        return "custom fsdp_pre_all_gather extension (e.g. float8 all-gather)"
+    if fsdp_param.offload_to_cpu:
+        return "CPU offload"
+    return None
+
+
+def param_fqn(fsdp_param) -> str:
+    return getattr(fsdp_param, "_param_fqn", None) or f"param{tuple(fsdp_param._orig_size)}"
+
+
+def shard_numels(param_group) -> list[int]:
+    """Padded shard numel of every parameter of the group, in order."""
+    return [fp._sharded_param_data.numel() for fp in param_group.fsdp_params]
+
+
+def shard_bytes(param_group, which: str, align: int = 1) -> int:
+    """Bytes of one rank's shards of a group, each parameter rounded up to
+    ``align`` bytes. ``which="param"``: in the all-gather dtype, which is also
+    the gradient dtype (FSDP2 computes gradients in ``param_dtype``).
+    ``"reduce"``: in the reduce dtype, in which FSDP accumulates unsynced
+    gradients (the sharded dtype when no reduce dtype is set)."""
+    total = 0
+    for fp in param_group.fsdp_params:
+        dtype = ag_dtype(fp, param_group.mp_policy)
+        if which == "reduce":
+            dtype = param_group.mp_policy.reduce_dtype or fp._sharded_param_data.dtype
+        nbytes = fp._sharded_param_data.numel() * dtype.itemsize
+        total += -(-nbytes // align) * align
+    return total

@@ -1,0 +1,235 @@
+"""Topology of one FSDP process group: which of its ranks share a node, and what TIDE
+can use between them.
+
+At install every rank of a process group contributes one :class:`RankInfo` (one
+``all_gather_object`` per group, ``gather_rank_infos``); the rest is computed from the
+gathered list, identically on every rank:
+
+- nodes (:func:`node_keys`, :func:`resolve_local_world_size`): a node is the kernel
+  boot (``/proc/sys/kernel/random/boot_id``: containers on one machine share it, two
+  machines never do) plus the launcher's node rank (torchrun's ``GROUP_RANK``, else
+  ``SLURM_NODEID``), so identical host names (containers) do not merge nodes and two
+  launchers on one machine are two nodes; the host name is the last resort;
+- node-local groups (:func:`node_local_group_ranks`): GROUP ranks of each node, the
+  ranks ``dist.split_group`` takes (the global ranks go to ``new_subgroups_by_enumeration``
+  only for the world group);
+- the transport (:func:`choose_transport`): the copy engine needs CUDA, P2P access to
+  the GPUs of the node's OTHER ranks of this group (found by device UUID, not every
+  visible GPU), and a backend with point-to-point when there is more than one node;
+  point-to-point needs a backend that has it (:func:`backend_has_p2p`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import torch.distributed as dist
+
+from .options import TideOptions
+from .plan import WorldLayout
+
+__all__ = [
+    "RankInfo",
+    "backend_has_p2p",
+    "choose_transport",
+    "gather_rank_infos",
+    "local_peer_access",
+    "make_node_local_group",
+    "node_keys",
+    "node_local_group_ranks",
+    "resolve_local_world_size",
+]
+
+logger = logging.getLogger(__name__)
+
+# Backends whose process groups implement isend/irecv/batch_isend_irecv.
+_P2P_BACKENDS = ("nccl", "gloo", "mpi", "xccl")
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """What one rank tells its group at install."""
+
+    host: str
+    boot_id: str  # "" where /proc has none
+    launcher_node: str  # torchrun GROUP_RANK or SLURM_NODEID; "" when neither is set
+    device_uuid: str  # CUDA device UUID; "" on CPU
+    global_rank: int
+
+
+@cache
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _device_uuid(device: torch.device) -> str:
+    if device.type != "cuda":
+        return ""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def local_rank_info(device: torch.device) -> RankInfo:
+    launcher_node = os.environ.get("GROUP_RANK", os.environ.get("SLURM_NODEID", ""))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return RankInfo(socket.gethostname(), _boot_id(), launcher_node, _device_uuid(device), rank)
+
+
+def gather_rank_infos(group: dist.ProcessGroup, device: torch.device) -> list[RankInfo]:
+    """Collective over ``group``: every rank's :class:`RankInfo`, by group rank."""
+    infos: list[RankInfo | None] = [None] * group.size()
+    dist.all_gather_object(infos, local_rank_info(device), group=group)
+    return infos  # type: ignore[return-value]
+
+
+def node_keys(infos: list[RankInfo]) -> list[str]:
+    """One string per rank; equal strings = same node (module docstring)."""
+    return [f"{i.boot_id or i.host}/{i.launcher_node}" for i in infos]
+
+
+def resolve_local_world_size(options: TideOptions, keys: list[str]) -> tuple[int, str]:
+    """Ranks per node of a group whose rank ``r`` is on node ``keys[r]``; returns
+    ``(local_world_size, how it was found)``.
+
+    The option wins (it must divide the group size, else ``ValueError``). Otherwise
+    the nodes decide: if every node holds one contiguous, equal-size block of group
+    ranks, that block size; if not (e.g. an FSDP group strided across nodes with
+    tensor parallelism inside the node), 1: every rank is treated as its own node,
+    which is always correct (point-to-point only)."""
+    world = len(keys)
+    if options.local_world_size is not None:
+        lws = options.local_world_size
+        if world % lws:
+            raise ValueError(
+                f"[tide] local_world_size = {lws} must divide the FSDP group size {world}; "
+                f"set it to a divisor of {world} or to 0 to detect nodes"
+            )
+        return lws, "option local_world_size"
+    runs: list[list] = []  # [node key, count] per run of equal consecutive keys
+    for key in keys:
+        if runs and runs[-1][0] == key:
+            runs[-1][1] += 1
+        else:
+            runs.append([key, 1])
+    if len({k for k, _ in runs}) == len(runs) and len({c for _, c in runs}) == 1:
+        return runs[0][1], f"{len(runs)} node(s) with {runs[0][1]} consecutive group ranks each"
+    return 1, "ranks of a node are not one contiguous equal-size block: one rank per node"
+
+
+def node_local_group_ranks(layout: WorldLayout) -> list[list[int]]:
+    """GROUP ranks of every node's node-local group, node by node."""
+    return [list(layout.node_ranks(node)) for node in range(layout.num_nodes)]
+
+
+def local_peer_access(infos: list[RankInfo], layout: WorldLayout, rank: int) -> tuple[bool, str]:
+    """Whether this rank's GPU can reach, by CUDA P2P, the GPU of every OTHER rank of
+    its node in this group (looked up by UUID among the GPUs visible here)."""
+    me = infos[rank]
+    if not me.device_uuid:
+        return False, "not CUDA"
+    visible = {
+        str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())
+    }
+    my_index = visible[me.device_uuid]
+    peers = [r for r in layout.node_ranks(layout.node_of(rank)) if r != rank]
+    hidden = [r for r in peers if infos[r].device_uuid not in visible]
+    if hidden:
+        return (
+            False,
+            f"the GPUs of group ranks {hidden} are not visible here (CUDA_VISIBLE_DEVICES)",
+        )
+    blocked = [
+        r for r in peers
+        if visible[infos[r].device_uuid] != my_index
+        and not torch.cuda.can_device_access_peer(my_index, visible[infos[r].device_uuid])
+    ]  # fmt: skip
+    if blocked:
+        return False, f"no CUDA P2P access to the GPUs of group ranks {blocked}"
+    return True, f"CUDA P2P to the GPUs of the {len(peers)} other rank(s) of this node"
+
+
+def backend_has_p2p(backend: str) -> bool:
+    """Whether a process group of ``backend`` (``dist.get_backend``'s string, e.g.
+    ``"cpu:gloo,cuda:nccl"``) can run isend/irecv."""
+    return any(name in backend.lower() for name in _P2P_BACKENDS)
+
+
+def choose_transport(
+    options: TideOptions,
+    layout: WorldLayout,
+    device: torch.device,
+    backend: str,
+    peer_access: tuple[bool, str],
+) -> tuple[str | None, str]:
+    """``(transport kind "copy_engine" | "p2p" | None, reason)``; None: no TIDE
+    transport can run on this group (FSDP2's path). Raises ``ValueError`` for a
+    forced transport that cannot work here. ``peer_access``: this rank's
+    :func:`local_peer_access`."""
+    backend = backend.lower()
+    p2p_ok = backend_has_p2p(backend)
+    forced = options.transport
+    if forced == "copy_engine":
+        if device.type != "cuda" or (layout.num_nodes > 1 and "nccl" not in backend):
+            raise ValueError(
+                f"tide option transport='copy_engine' ([tide] ag_transport) needs CUDA "
+                f"parameters (and an NCCL group across nodes) (device={device.type}, "
+                f"backend={backend}); use 'auto', or 'gloo' on CPU"
+            )
+        return "copy_engine", "forced by option transport='copy_engine'"
+    if forced in ("nccl_p2p", "gloo"):
+        want_device, want_backend = ("cuda", "nccl") if forced == "nccl_p2p" else ("cpu", "gloo")
+        if device.type != want_device or want_backend not in backend:
+            raise ValueError(
+                f"tide option transport={forced!r} ([tide] ag_transport) needs "
+                f"{want_device.upper()} parameters and a {want_backend} group "
+                f"(device={device.type}, backend={backend}); use 'auto'"
+            )
+        return "p2p", f"forced by option transport={forced!r}"
+    shape = f"{layout.num_nodes} nodes x {layout.local_world_size}"
+    no_p2p = f"backend {backend!r} has no point-to-point"
+    if layout.local_world_size > 1 and peer_access[0]:
+        if layout.num_nodes == 1:
+            return "copy_engine", f"auto: {shape}, {peer_access[1]}"
+        if p2p_ok:
+            return "copy_engine", (
+                f"auto: {shape}, {peer_access[1]}; cross-node phase over {backend} p2p"
+            )
+        return None, f"auto: {shape} needs a cross-node phase but {no_p2p}"
+    if not p2p_ok:
+        return None, f"auto: {shape}: {no_p2p} and the copy engine cannot run here"
+    if layout.local_world_size == 1:
+        return "p2p", f"auto: {shape}: no node-local peers, point-to-point over {backend}"
+    return "p2p", f"auto: {shape} but {peer_access[1]}: point-to-point over {backend}"
+
+
+def make_node_local_group(
+    group: dist.ProcessGroup, layout: WorldLayout, global_ranks: list[int]
+) -> dist.ProcessGroup | None:
+    """Collective over ``group`` (over the world for the world group): the process
+    group of this rank's node within ``group``, or None when it cannot be made
+    (then the caller agrees with the other ranks on point-to-point). One node: the
+    group itself."""
+    if layout.num_nodes == 1:
+        return group
+    node_lists = node_local_group_ranks(layout)
+    if group.size() == dist.get_world_size():
+        sub, _ = dist.new_subgroups_by_enumeration(
+            [[global_ranks[r] for r in ranks] for ranks in node_lists]
+        )
+        return sub
+    if not hasattr(dist, "split_group"):
+        return None
+    try:  # NCCL with an eagerly initialized default group (init_process_group(device_id=...))
+        return dist.split_group(group, split_ranks=node_lists)
+    except Exception as e:  # noqa: BLE001 - any failure means "no node-local group"
+        logger.warning("TIDE: split_group for the node-local groups failed: %s", e)
+        return None
