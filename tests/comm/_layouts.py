@@ -73,8 +73,7 @@ class Layout:
     ``"multi_root"`` (``fully_shard`` on the embedding, blocks, norm and output, not
     on the model) or ``"replicate"`` (torch's FSDP2-based ``replicate``). ``fsdp2_groups``: FSDP module name (``"<root>"`` for the model) ->
     substring of the FSDP2-fallback line TIDE must log for it (those groups must not
-    run TIDE-AG); ``"*"``: every group. ``rs_fsdp2``: substring of the TIDE-RS fallback line when every
-    group is expected to keep FSDP2's reduce-scatter. ``tolerance``: 0 = bitwise
+    run TIDE-AG); ``"*"``: every group. ``tolerance``: 0 = bitwise
     (two ranks add per element: one fp32 addition, any order); else relative.
     ``cpu_offload``: parameters marked CPU-offloaded (see :func:`_marked_offloaded`).
     ``ag_extension``: parameter names made :class:`AllGatherExtensionTensor` (FSDP2's
@@ -99,7 +98,6 @@ class Layout:
     tide: dict = field(default_factory=dict)
     local_world_sizes: tuple = (0, 1)
     fsdp2_groups: dict = field(default_factory=dict)
-    rs_fsdp2: str | None = None
     tolerance: float = 0.0
     steps: int = 3
 
@@ -282,8 +280,9 @@ class TideRecord:
 
     ag: Counter = field(default_factory=Counter)  # id(FSDPParam) -> TIDE-AG calls
     rs: Counter = field(default_factory=Counter)  # id(FSDPParam) -> TIDE-RS calls
-    ag_groups: dict = field(default_factory=dict)  # id(FSDPParam) -> process group used
-    rs_groups: dict = field(default_factory=dict)
+    # id(FSDPParam) -> (process group, WorldLayout) of its last TIDE-AG / TIDE-RS call
+    ag_seen: dict = field(default_factory=dict)
+    rs_seen: dict = field(default_factory=dict)
     logs: list = field(default_factory=list)
 
 
@@ -308,13 +307,13 @@ def watch_tide() -> Iterator[TideRecord]:
     def counted_ag(state, fsdp_params, group, *args, **kwargs):
         for fp in fsdp_params:
             rec.ag[id(fp)] += 1
-            rec.ag_groups[id(fp)] = group
+            rec.ag_seen[id(fp)] = (group, state.plan.layout)
         return orig_ag(state, fsdp_params, group, *args, **kwargs)
 
     def counted_rs(state, fsdp_params, *args, **kwargs):
         for fp in fsdp_params:
             rec.rs[id(fp)] += 1
-            rec.rs_groups[id(fp)] = state.group
+            rec.rs_seen[id(fp)] = (state.group, state.layout)
         return orig_rs(state, fsdp_params, *args, **kwargs)
 
     def poison(outputs: list[torch.Tensor]) -> None:
@@ -350,14 +349,15 @@ def _ranks(group: dist.ProcessGroup) -> list[int]:
 
 
 def check_tide_ran(
-    parts: list[nn.Module], rec: TideRecord, layout: Layout, dims, label: str = ""
+    parts: list[nn.Module], rec: TideRecord, layout: Layout, dims, lws: int, label: str = ""
 ) -> None:
-    """Every FSDP group of the TIDE model ran what it should: TIDE-AG (and TIDE-RS
-    unless ``layout.rs_fsdp2``) on its own all-gather group, whose ranks are those
-    of the ``fsdp`` mesh dimension (``efsdp`` for routed experts under EP); groups
-    named in ``layout.fsdp2_groups`` took FSDP2's path with their logged reason."""
-    fsdp_ranks = _ranks(dims.get_mesh("fsdp").get_group())
-    efsdp_ranks = _ranks(dims.get_mesh("efsdp").get_group()) if dims.ep > 1 else None
+    """Every FSDP group of the TIDE model ran what it should: TIDE-AG and TIDE-RS on
+    its own all-gather group, whose ranks are those of the ``fsdp`` mesh dimension
+    (``efsdp`` for routed experts under EP), as ``group size / lws`` nodes of ``lws``
+    ranks (``lws`` 0: one node, every rank runs on this machine); groups named in
+    ``layout.fsdp2_groups`` took FSDP2's path with their logged reason."""
+    meshes = {name: dims.get_optional_mesh(name) for name in ("fsdp", "efsdp")}
+    ranks = {name: _ranks(m.get_group()) if m is not None else None for name, m in meshes.items()}
     log = "\n".join(rec.logs)
     seen = 0
     for part in parts:
@@ -377,18 +377,18 @@ def check_tide_ran(
                     assert hits, f"{where}: no log line {line!r} with {reason!r} in:\n{log}"
                 continue
             group = pg._all_gather_process_group
-            expected = efsdp_ranks if fqn.endswith("moe.experts") else fsdp_ranks
+            expected = ranks["efsdp" if fqn.endswith("moe.experts") else "fsdp"]
             assert _ranks(group) == expected, f"{where}: FSDP group {_ranks(group)} != {expected}"
             assert ag_calls > 0, f"{where}: TIDE-AG never ran; log:\n{log}"
-            assert rec.ag_groups[id(first)] is group, f"{where}: TIDE-AG on another group"
-            if layout.rs_fsdp2 is not None:
-                assert rs_calls == 0, f"{where}: TIDE-RS ran, expected FSDP2's reduce-scatter"
-                assert layout.rs_fsdp2 in log, f"{where}: no log line {layout.rs_fsdp2!r}"
-                continue
             assert rs_calls > 0, f"{where}: TIDE-RS never ran; log:\n{log}"
-            assert rec.rs_groups[id(first)] is pg._reduce_scatter_process_group, (
-                f"{where}: TIDE-RS on another group than FSDP's reduce-scatter group"
-            )
+            nodes = (group.size() // lws, lws) if lws else (1, group.size())
+            for which, (used, world) in (("AG", rec.ag_seen[id(first)]),
+                                         ("RS", rec.rs_seen[id(first)])):  # fmt: skip
+                assert used is group, f"{where}: TIDE-{which} ran on another process group"
+                got = (world.num_nodes, world.local_world_size)
+                assert got == nodes, (
+                    f"{where}: TIDE-{which} ran as {got} nodes x ranks, not {nodes}"
+                )
     assert seen > 0, "the TIDE model has no FSDP group"
 
 
@@ -484,22 +484,20 @@ def run_layout(rank: int, world_size: int, layout: Layout) -> None:
     ref = _Copy(base, layout, dims, {"comm": "fsdp2"})
     with watch_tide() as rec:
         tides = {
-            f"local_world_size={lws}": _Copy(
-                base, layout, dims, {"comm": "tide", **layout.tide, "local_world_size": lws}
-            )
+            lws: _Copy(base, layout, dims, {"comm": "tide", **layout.tide, "local_world_size": lws})
             for lws in layout.local_world_sizes
         }
         for step in range(layout.steps):
             x, y = _batch(step, dp_rank)
             l_ref = ref.forward_backward(x, y)
-            for name, tide in tides.items():
+            for lws, tide in tides.items():
                 l_tide = tide.forward_backward(x, y)
-                what = f"[tide {name}] rank {rank} step {step}"
+                what = f"[tide local_world_size={lws}] rank {rank} step {step}"
                 assert compare_grads(ref.parts, tide.parts, layout.tolerance, what) > 0
                 if l_ref is not None:
                     _same(l_ref, l_tide, layout.tolerance, f"{what} loss")
             ref.step()
             for tide in tides.values():
                 tide.step()
-        for name, tide in tides.items():
-            check_tide_ran(tide.parts, rec, layout, dims, f"[tide {name}] ")
+        for lws, tide in tides.items():
+            check_tide_ran(tide.parts, rec, layout, dims, lws, f"[tide local_world_size={lws}] ")

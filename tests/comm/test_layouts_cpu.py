@@ -74,7 +74,12 @@ def test_ac_selective():
 def test_replicate():
     """torch's FSDP2-based ``replicate()`` over dp_replicate 2 (no shard dim): nothing
     to all-gather; every group takes FSDP2's path, logged."""
-    layout = Layout(parallelize="replicate", dp_replicate=2, dp_shard=1, fsdp2_groups={"*": ""})
+    layout = Layout(
+        parallelize="replicate",
+        dp_replicate=2,
+        dp_shard=1,
+        fsdp2_groups={"*": "replicate-only mesh"},
+    )
     spawn(run_layout, 2, layout)
 
 

@@ -3,8 +3,9 @@
 With TP the FSDP group of a rank is strided across the world (TorchTitan's dense mesh is
 ``(dp, tp)``, tp innermost). TIDE splits it into node-local groups with
 ``dist.split_group``, whose ``split_ranks`` are ranks WITHIN the parent group (torch's
-docstring), not global ranks. These tests give ``fsdp_patch._node_local_group`` a fake
-16-rank world and check the ``split_ranks`` torch would receive.
+docstring), not global ranks. These tests give ``topology.make_node_local_group`` a fake
+16-rank world and check the ``split_ranks`` torch receives (``test_topology`` checks the
+pure rank mapping; this checks the call that uses it).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from torchtitan_tide.comm import fsdp_patch
-from torchtitan_tide.comm.options import TideOptions, resolve_local_world_size
+from torchtitan_tide.comm import topology
+from torchtitan_tide.comm.options import TideOptions
 from torchtitan_tide.comm.plan import WorldLayout
 
 NODES, GPUS = 2, 8
@@ -43,8 +44,8 @@ def fsdp_group_ranks(tp: int, me: int) -> list[int]:
 def test_node_group_split_ranks_are_parent_group_ranks(monkeypatch, tp, me):
     ranks = fsdp_group_ranks(tp, me)
     group = FakeGroup(ranks, me)
-    hosts = [f"node{r // GPUS}" for r in ranks]
-    lws, _ = resolve_local_world_size(TideOptions(), hosts)
+    nodes = [f"node{r // GPUS}" for r in ranks]
+    lws, _ = topology.resolve_local_world_size(TideOptions(), nodes)
     assert lws == GPUS // tp  # consecutive group ranks share a host
     layout = WorldLayout(len(ranks), lws)
     calls: list[list[list[int]]] = []
@@ -54,12 +55,10 @@ def test_node_group_split_ranks_are_parent_group_ranks(monkeypatch, tp, me):
         calls.append(split_ranks)
         return object()
 
-    monkeypatch.setattr(fsdp_patch, "_node_groups", {})
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: NODES * GPUS)
-    monkeypatch.setattr(dist, "get_global_rank", lambda g, r: g.global_ranks[r])
-    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(dist, "split_group", split_group)
-    node_group = fsdp_patch._node_local_group(group, layout)
+    node_group = topology.make_node_local_group(group, layout, ranks)
     assert node_group is not None, "no node-local group for a strided FSDP group"
+    assert len(calls) == 1, "split_group must be called once, by every rank of the group"
     expected = [list(range(m * lws, (m + 1) * lws)) for m in range(NODES)]
-    assert calls == [expected], f"split_ranks {calls} must be group ranks {expected}"
+    assert calls[0] == expected, f"split_ranks {calls[0]} must be group ranks {expected}"
