@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils import _pytree as pytree
 
@@ -395,6 +396,22 @@ def check_tide_ran(
 # ---------------------------------------------------------------- the run
 
 
+def check_built(parts: list[nn.Module], layout: Layout) -> None:
+    """The parallelize function built what the layout names (compiled blocks, AC
+    wrappers, one model part per pipeline stage of this rank)."""
+    blocks = [b for part in parts for b in part.layers.values()]
+    assert blocks, "no transformer block on this rank"
+    if layout.compile:
+        compiled = [isinstance(b, torch._dynamo.eval_frame.OptimizedModule) for b in blocks]
+        assert all(compiled), f"blocks not compiled: {compiled}"
+    if layout.ac != "none":
+        wrapped = [isinstance(b, CheckpointWrapper) for b in blocks]
+        assert all(wrapped), f"blocks without activation checkpointing: {wrapped}"
+    if layout.pp > 1:
+        per_rank = 2 if layout.pp_schedule.startswith("Interleaved") else 1
+        assert len(parts) == per_rank, f"{len(parts)} model parts, expected {per_rank}"
+
+
 def _same(a: torch.Tensor, b: torch.Tensor, tolerance: float, what: str) -> None:
     assert not torch.isnan(b).any(), f"{what}: TIDE has NaN (an element left unwritten)"
     if tolerance == 0.0:
@@ -449,6 +466,7 @@ class _Copy:
             )
         else:
             self.parts = [fn(model, dims, jc)]
+        check_built(self.parts, layout)
         params = [p for part in self.parts for p in part.parameters()]
         self.opt = torch.optim.SGD(params, lr=LR)
 
