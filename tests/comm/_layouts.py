@@ -5,19 +5,20 @@ tiny TorchTitan model (llama3, or the qwen3 MoE for EP) per rank from one seed,
 copies it, and parallelizes both copies with the train spec's ``parallelize_fn``
 (TorchTitan's ``parallelize_llama`` / ``parallelize_qwen3`` wrapped by
 ``torchtitan_tide.train_specs.wrap_parallelize``, which calls ``comm.apply`` per
-model part): one with ``[tide] comm = "fsdp2"``, one with ``comm = "tide"``. PP
+model part): one with ``[tide] comm = "fsdp2"``, and one with ``comm = "tide"`` per
+``[tide] local_world_size`` of the layout (one node, and 2 "nodes"). PP
 layouts go through TorchTitan's ``pipeline_llm`` (several model parts per rank).
 
 Then, for ``layout.steps`` steps on fresh random tokens (the same on both copies,
-different per data-parallel rank): forward + backward on both, every parameter's
+different per data-parallel rank): forward + backward on every copy, each parameter's
 LOCAL gradient shard compared (bitwise, or ``layout.tolerance`` relative), the
-losses compared, plain SGD on both (AdamW would normalize a wrong gradient scale
+losses compared, plain SGD on all (AdamW would normalize a wrong gradient scale
 away). TIDE-AG outputs are NaN-poisoned before every all-gather and checked after;
 TIDE-RS outputs and partials are NaN-poisoned before they are written. Finally
 every FSDP group is checked against what it should have run: TIDE-AG / TIDE-RS
 calls counted per group (wrappers around ``fsdp_patch.tide_all_gather`` /
-``tide_reduce``) on the process group of the expected mesh dimension, or the
-FSDP2 path with the expected log line.
+``tide_reduce``) on the process group of the expected mesh dimension as the expected
+nodes x ranks, or the FSDP2 path with the expected log line.
 """
 
 from __future__ import annotations
@@ -67,18 +68,18 @@ LR = 0.5
 class Layout:
     """One parallelism layout of the matrix (``[parallelism]`` etc. of a TorchTitan job).
 
-    ``tide``: ``[tide]`` options (``torchtitan_tide.config.Tide`` fields) of the TIDE
-    copies; one TIDE copy per ``local_world_sizes`` entry, all trained in lockstep with
-    the stock copy in the same processes (``[tide] local_world_size``: 0 = detected,
-    one node on this machine; 1 = every rank its own "node"; 2 = nodes of 2 ranks). ``parallelize``: ``"torchtitan"`` (the train spec's function) or
-    ``"multi_root"`` (``fully_shard`` on the embedding, blocks, norm and output, not
-    on the model) or ``"replicate"`` (torch's FSDP2-based ``replicate``). ``fsdp2_groups``: FSDP module name (``"<root>"`` for the model) ->
-    substring of the FSDP2-fallback line TIDE must log for it (those groups must not
-    run TIDE-AG); ``"*"``: every group. ``tolerance``: 0 = bitwise
-    (two ranks add per element: one fp32 addition, any order); else relative.
-    ``cpu_offload``: parameters marked CPU-offloaded (see :func:`_marked_offloaded`).
-    ``ag_extension``: parameter names made :class:`AllGatherExtensionTensor` (FSDP2's
-    all-gather extension, as float8 weights use) in both copies.
+    ``local_world_sizes``: one TIDE copy per entry (``[tide] local_world_size``: 0 =
+    detected, one node on this machine; 1 = every rank its own "node"; 2 = nodes of 2
+    ranks), all trained in lockstep with the stock copy in the same processes.
+    ``parallelize``: ``"torchtitan"`` (the train spec's function), ``"multi_root"``
+    (``fully_shard`` on the embedding, blocks, norm and output, not on the model) or
+    ``"replicate"`` (torch's FSDP2-based ``replicate``). ``fsdp2_groups``: FSDP module
+    name -> substring of the FSDP2-path line TIDE must log for it (such groups must not
+    run TIDE); ``"*"``: every group. ``tolerance``: 0 = bitwise (two ranks add per
+    element: one fp32 addition, any order); else relative. ``cpu_offload``: parameters
+    marked CPU-offloaded (see :func:`_marked_offloaded`). ``ag_extension``: parameter
+    names made :class:`AllGatherExtensionTensor` (FSDP2's all-gather extension, as
+    float8 weights use) in both copies.
     """
 
     model: str = "llama3"
@@ -96,7 +97,6 @@ class Layout:
     cpu_offload: bool = False
     num_experts: int = 8
     ag_extension: tuple = ()
-    tide: dict = field(default_factory=dict)
     local_world_sizes: tuple = (0, 1)
     fsdp2_groups: dict = field(default_factory=dict)
     tolerance: float = 0.0
@@ -502,7 +502,7 @@ def run_layout(rank: int, world_size: int, layout: Layout) -> None:
     ref = _Copy(base, layout, dims, {"comm": "fsdp2"})
     with watch_tide() as rec:
         tides = {
-            lws: _Copy(base, layout, dims, {"comm": "tide", **layout.tide, "local_world_size": lws})
+            lws: _Copy(base, layout, dims, {"comm": "tide", "local_world_size": lws})
             for lws in layout.local_world_sizes
         }
         for step in range(layout.steps):
