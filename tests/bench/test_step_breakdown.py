@@ -76,7 +76,11 @@ def test_last_profiler_step_is_the_window():
 
 
 def test_device_span_without_step_range_and_unlaunched_rows_count_as_queued():
-    events = [row(None, 7, 0, 10), row(None, 7, 30, 10), row(None, 9, 5, 20, "Memcpy", "gpu_memcpy")]
+    events = [
+        row(None, 7, 0, 10),
+        row(None, 7, 30, 10),
+        row(None, 9, 5, 20, "Memcpy", "gpu_memcpy"),
+    ]
     bd = sb.step_breakdown(events)
     assert bd["window"] == "device span" and bd["step_ms"] == pytest.approx(0.040)
     assert bd["compute_ms"] == pytest.approx(0.020)
@@ -100,7 +104,9 @@ def test_compute_stream_ignores_nccl_kernels_and_can_be_forced():
               row(None, 8, 0, 90, "ncclDevKernel_AllGather")]  # fmt: skip
     assert sb.step_breakdown(events)["compute_stream"] == "0:7"
     forced = sb.step_breakdown(events, stream=(0, 8))
-    assert forced["compute_ms"] == pytest.approx(0.090) and forced["comm_busy_ms"] == pytest.approx(0.010)
+    assert forced["compute_ms"] == pytest.approx(0.090) and forced["comm_busy_ms"] == pytest.approx(
+        0.010
+    )
 
 
 def test_recorded_snippet_sums_to_its_span(repo):
