@@ -1,6 +1,8 @@
 """step_breakdown on hand-written traces: every category with its exact expected value."""
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -124,3 +126,26 @@ def test_no_compute_kernel_is_an_error():
 def test_mean_over_ranks():
     mean = sb.mean_breakdown({"rank0": {"step_ms": 1.0, "window": "x"}, "rank1": {"step_ms": 3.0}})
     assert mean == {"step_ms": 2.0}
+
+
+@pytest.mark.gpu
+def test_gpu_breakdown_of_a_real_one_gpu_step(tmp_path, repo):
+    """bench_step on ONE GPU (no FSDP): TorchTitan's profiled trace parses, the step
+    window and optimizer phase are found, the parts sum to the profiled step."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")[:1]}
+    proc = subprocess.run(
+        [sys.executable, str(repo / "scripts/bench/bench_step.py"), "--config", "debug_model",
+         "--steps", "4", "--warmup", "1", "--rounds", "1", "--modes", "fsdp2", "--out-dir",
+         str(tmp_path), "--log-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=420, cwd=repo, env=env, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (js,) = tmp_path.glob("*_step_debug_model.json")
+    res = json.loads(js.read_text())
+    breakdown = res["runs"]["fsdp2"][0]["breakdown"]
+    assert "error" not in breakdown, breakdown
+    (rank,) = breakdown["per_rank"].values()
+    assert rank["window"].startswith("ProfilerStep#")
+    assert sum(rank[k] for k in sb.PARTS) == pytest.approx(rank["step_ms"], rel=1e-9)
+    assert rank["compute_ms"] > 0 and rank["optimizer_ms"] > 0
+    assert "## Step breakdown of the profiled step" in js.with_suffix(".md").read_text()
