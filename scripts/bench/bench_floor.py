@@ -175,7 +175,7 @@ class Shards(nn.Module):
         self.shards = nn.ParameterList()
         for p in model.parameters():
             local = p.detach()[: shard_rows(p.shape[0], world_size)] if p.dim() else p.detach()
-            shard = nn.Parameter(local.float().clone())
+            shard = nn.Parameter(local.to(torch.float32, copy=True))
             shard.grad = torch.randn(
                 shard.shape, generator=gen, device=shard.device, dtype=torch.float32
             )
@@ -394,6 +394,8 @@ def run(args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, Any]:
     torch.manual_seed(job_config.debug.seed or 0)
     with one_rank_process_group():
         work, about = build_work(job_config, args.world_size, device, seed=args.seed)
+        print(f"[bench_floor] {args.config} on {device}, per-GPU work of a "
+              f"{args.world_size}-rank step: {about}", flush=True)  # fmt: skip
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         rounds = measure(work, device, args.rounds, args.warmup, args.iters, args.target_s)
