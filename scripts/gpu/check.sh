@@ -19,7 +19,7 @@
 #   accumulate    bench_accumulate (TIDE-RS kernel GiB/s vs CTA count, 1 GPU)       ~20 s
 #   report        report.py over bench/results                                     seconds
 # Knobs: FLOOR_CONFIGS (the three h200x2_* configs), FLOOR_WORLD (2: ranks of the step whose
-# per-GPU work is measured), STEPS (train, 30), STEP_CONFIGS (h200x2_llama70b_4layers),
+# per-GPU work is measured), FLOOR_ARGS (more bench_floor arguments, e.g. "--warmup 1"), STEPS (train, 30), STEP_CONFIGS (h200x2_llama70b_4layers),
 # STEP_STEPS (12), STEP_ROUNDS (1), STEP_MODES / MODES (fsdp2,symm_mem,tide), COLL_ITERS (20), INTERF_REPS (6).
 # Results (JSON/MD/PNG) land in bench/results/; $OUT gets results.tgz (this run's result
 # files), the report (.md/.png), summary.md and logs.tgz (every log), i.e. few files.
@@ -71,7 +71,7 @@ if has floor; then
   for config in $FLOOR_CONFIGS; do
     run "floor_$config" 480 env CUDA_VISIBLE_DEVICES="${first_gpu%%,*}" \
       python3 scripts/bench/bench_floor.py --config "$config" --world-size "${FLOOR_WORLD:-2}" \
-      --out-dir bench/results
+      --out-dir bench/results ${FLOOR_ARGS:-}
     note "  $(grep -o 'floor_ms = [0-9.]* ms[^;]*' "$LOGS/floor_$config.log" | tail -1)"
   done
 fi
