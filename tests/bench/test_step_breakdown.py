@@ -132,7 +132,8 @@ def test_mean_over_ranks():
 def test_gpu_breakdown_of_a_real_one_gpu_step(tmp_path, repo):
     """bench_step on ONE GPU (no FSDP): TorchTitan's profiled trace parses, the step
     window and optimizer phase are found, the parts sum to the profiled step."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")[:1]}
+    first_gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": first_gpu}
     proc = subprocess.run(
         [sys.executable, str(repo / "scripts/bench/bench_step.py"), "--config", "debug_model",
          "--steps", "4", "--warmup", "1", "--rounds", "1", "--modes", "fsdp2", "--out-dir",
