@@ -15,11 +15,19 @@ the round-1 run of each mode profiles its last step through TorchTitan's
 ``[profiling]`` options (profiler warm-up on the step before), and those two steps are
 left out of its median. The per-rank chrome traces are parsed, not kept.
 
+The profiled step is also broken down on its compute stream (``step_breakdown.py``):
+compute, optimizer, exposed communication (first all-gather, last reduce-scatters,
+waits in between), host-bound idle and other idle, summing to the profiled step.
+
+Every mode's row carries ``floor_ms`` and ``gap_to_floor_pct`` (best step vs floor) when
+a compute floor of the config exists: ``--floor-json``, else the newest
+``*_floor_<config>.json`` (``bench_floor.py``) under ``--out-dir``.
+
 Writes ``<date>_<machine>_<commit>_step_<config>.{json,md,png}``:
 
     python scripts/bench/bench_step.py --out-dir bench/results \\
         [--config h200x2_llama70b_4layers] [--modes fsdp2,symm_mem,tide] [--steps 15] \\
-        [--rounds 2] [--profile auto|on|off]
+        [--rounds 2] [--profile auto|on|off] [--floor-json FILE]
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common
+import step_breakdown
 
 REPO = Path(__file__).resolve().parents[2]
 TRACE_FOLDER = "profile_traces"
@@ -44,6 +53,8 @@ PROFILED_STEPS = 2  # the profiler's warm-up step and its active (last) step
 COLUMNS_AFTER_ROUNDS = [
     ("best_step_ms", "best step ms"),
     ("speedup_vs_fsdp2", "speed-up vs fsdp2"),
+    ("floor_ms", "floor ms"),
+    ("gap_to_floor_pct", "gap to floor %"),
     ("tokens_per_s", "tokens/s"),
     ("mfu_pct", "MFU %"),
     ("peak_reserved_gib", "peak GiB"),
@@ -123,6 +134,100 @@ def summarize_run(records: list[dict], warmup: int, profiled_steps: int = 0) -> 
     }
 
 
+BREAKDOWN_COLUMNS = [
+    ("bd_step_ms", "profiled step ms"),
+    ("bd_compute_ms", "compute ms"),
+    ("bd_optimizer_ms", "optimizer ms"),
+    ("bd_exposed_comm_ms", "exposed comm ms"),
+    ("bd_host_bound_ms", "host-bound idle ms"),
+    ("bd_other_idle_ms", "other idle ms"),
+    ("bd_exposed_first_ms", "exposed: first AG ms"),
+    ("bd_exposed_between_ms", "exposed: between ms"),
+    ("bd_exposed_last_ms", "exposed: last RS ms"),
+    ("bd_comm_busy_ms", "comm streams busy ms"),
+    ("bd_comm_hidden_ms", "comm hidden under compute ms"),
+]
+
+
+def find_floor(results_dir: str | Path, config: str) -> Path | None:
+    """The newest ``*_floor_<config>.json`` under ``results_dir`` (metadata date, then
+    file name); None when there is none."""
+    found = []
+    for path in Path(results_dir).glob(f"*_floor_{config}.json"):
+        try:
+            date = str(json.loads(path.read_text()).get("metadata", {}).get("date", ""))
+        except (OSError, json.JSONDecodeError):
+            continue
+        found.append((date, path.name, path))
+    return max(found)[2] if found else None
+
+
+def load_floor(path: str | Path) -> dict[str, Any]:
+    """``floor_ms`` and provenance of a ``bench_floor.py`` result. Raises ``ValueError``
+    naming the file when it has no ``floor_ms``."""
+    data = json.loads(Path(path).read_text())
+    floor_ms = data.get("floor_ms")
+    if isinstance(floor_ms, bool) or not isinstance(floor_ms, (int, float)) or floor_ms <= 0:
+        raise ValueError(f"{path}: no top-level floor_ms (not a bench_floor.py result?)")
+    meta = data.get("metadata") or {}
+    return {
+        "floor_ms": float(floor_ms),
+        "file": Path(path).name,
+        "config": data.get("config"),
+        "machine": meta.get("machine"),
+        "commit": meta.get("commit"),
+        "date": meta.get("date"),
+        "world_size": data.get("world_size", meta.get("world_size")),
+    }
+
+
+def profile_from_traces(
+    trace_paths: Sequence[Path], step_ms: float | None, sm_count: int = 0
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(layout, breakdown) of the per-rank traces, each trace read once: layout as
+    :func:`layout_from_traces`; breakdown: ``step_breakdown.step_breakdown`` per rank
+    (``per_rank``) and its mean over ranks (top-level keys); ``{"error": ...}`` for a
+    part that failed."""
+    per_rank, breakdowns = {}, {}
+    for path in sorted(trace_paths):
+        events = common.load_chrome_trace(path)
+        rank = path.name.split("_")[0]
+        per_rank[rank] = _layout_of(events, sm_count)
+        try:
+            breakdowns[rank] = step_breakdown.step_breakdown(events)
+        except ValueError as e:
+            breakdowns[rank] = {"error": str(e)}
+    if not per_rank:
+        err = {"error": "no profiler trace found"}
+        return err, dict(err)
+    keys = [k for k in next(iter(per_rank.values())) if k != "rows"]
+    mean = {
+        k: None if any(r[k] is None for r in per_rank.values())
+        else sum(r[k] for r in per_rank.values()) / len(per_rank)
+        for k in keys
+    }  # fmt: skip
+    mean["share_pct"] = 100 * mean["total_ms"] / step_ms if step_ms else None
+    failed = [f"{rank}: {b['error']}" for rank, b in breakdowns.items() if "error" in b]
+    breakdown = (
+        {"error": "; ".join(failed)}
+        if failed
+        else {**step_breakdown.mean_breakdown(breakdowns), "per_rank": breakdowns}
+    )
+    return {**mean, "per_rank": per_rank}, breakdown
+
+
+def _layout_of(events: list[dict], sm_count: int) -> dict[str, Any]:
+    layout = common.layout_conversion(events)
+    device = common.summarize_device_events(common.device_events(events), sm_count=0, top=0)
+    layout.update(nccl_kernel_ms=device["nccl_kernel_ms"], memcpy_ms=device["memcpy_ms"])
+    reduce = common.reduce_kernels(events, sm_count)
+    layout.update(
+        rs_kernel_ms=reduce["kernel_ms"],
+        rs_kernel_sm_weighted_ms=reduce["kernel_sm_weighted_ms"],
+    )
+    return layout
+
+
 def layout_from_traces(
     trace_paths: Sequence[Path], step_ms: float | None, sm_count: int = 0
 ) -> dict[str, Any]:
@@ -131,28 +236,7 @@ def layout_from_traces(
     unprofiled median). Also NCCL kernel and memcpy ms, and the gradient reduce's
     kernel time (``rs_kernel_ms``, SM-weighted with ``sm_count`` > 0:
     ``common.reduce_kernels``) from the same traces."""
-    per_rank = {}
-    for path in sorted(trace_paths):
-        events = common.load_chrome_trace(path)
-        layout = common.layout_conversion(events)
-        device = common.summarize_device_events(common.device_events(events), sm_count=0, top=0)
-        layout.update(nccl_kernel_ms=device["nccl_kernel_ms"], memcpy_ms=device["memcpy_ms"])
-        reduce = common.reduce_kernels(events, sm_count)
-        layout.update(
-            rs_kernel_ms=reduce["kernel_ms"],
-            rs_kernel_sm_weighted_ms=reduce["kernel_sm_weighted_ms"],
-        )
-        per_rank[path.name.split("_")[0]] = layout
-    if not per_rank:
-        return {"error": "no profiler trace found"}
-    keys = [k for k in next(iter(per_rank.values())) if k != "rows"]
-    mean = {
-        k: None if any(r[k] is None for r in per_rank.values())
-        else sum(r[k] for r in per_rank.values()) / len(per_rank)
-        for k in keys
-    }  # fmt: skip
-    mean["share_pct"] = 100 * mean["total_ms"] / step_ms if step_ms else None
-    return {**mean, "per_rank": per_rank}
+    return profile_from_traces(trace_paths, step_ms, sm_count)[0]
 
 
 def _sm_count() -> int:
@@ -176,9 +260,10 @@ def find_traces(dump_folder: Path) -> list[Path]:
     )
 
 
-def compare(runs: dict[str, list[dict]]) -> list[dict]:
-    """One row per mode: each round's median, the best, ratios to fsdp2's best, and
-    the layout-conversion figures of the profiled run."""
+def compare(runs: dict[str, list[dict]], floor_ms: float | None = None) -> list[dict]:
+    """One row per mode: each round's median, the best, ratios to fsdp2's best, the
+    layout-conversion figures and step breakdown (``bd_*``) of the profiled run, and,
+    with ``floor_ms``, ``floor_ms`` and ``gap_to_floor_pct`` = 100 (best / floor - 1)."""
     rows = []
     for mode, per_round in runs.items():
         ok = [r for r in per_round if "error" not in r]
@@ -206,6 +291,13 @@ def compare(runs: dict[str, list[dict]]) -> list[dict]:
                 rs_kernel_sm_weighted_ms=layout.get("rs_kernel_sm_weighted_ms"),
             )
             row.update({k: layout.get(f"{k}_ms") for k in common.LAYOUT_KERNELS})
+        breakdown = next((r["breakdown"] for r in ok if "step_ms" in r.get("breakdown", {})), None)
+        if breakdown:
+            row.update({key: breakdown.get(key[3:]) for key, _ in BREAKDOWN_COLUMNS})
+        if floor_ms:
+            row["floor_ms"] = floor_ms
+            if row.get("best_step_ms"):
+                row["gap_to_floor_pct"] = 100 * (row["best_step_ms"] / floor_ms - 1)
         rows.append(row)
     base = next((r for r in rows if r["mode"] == "fsdp2" and r.get("best_step_ms")), None)
     for row in rows:
@@ -240,11 +332,17 @@ def headline(config: str, rows: Sequence[Mapping[str, Any]]) -> list[dict[str, A
 
 
 def write_outputs(
-    stem: Path, meta: Mapping[str, Any], args: Mapping[str, Any], runs: dict, profiled: bool
+    stem: Path,
+    meta: Mapping[str, Any],
+    args: Mapping[str, Any],
+    runs: dict,
+    profiled: bool,
+    floor: Mapping[str, Any] | None = None,
 ) -> str:
     """``<stem>.json`` / ``.md`` / ``.png`` of a finished benchmark (``args``: the
-    command line as a dict); returns the Markdown."""
-    rows = compare(runs)
+    command line as a dict; ``floor``: :func:`load_floor` of the config's compute
+    floor, or None); returns the Markdown."""
+    rows = compare(runs, floor["floor_ms"] if floor else None)
     config, rounds = args["config"], args["rounds"]
     results = {
         "kind": "step",
@@ -252,9 +350,18 @@ def write_outputs(
         "args": dict(args),
         "runs": runs,
         "rows": rows,
+        "floor": dict(floor) if floor else None,
         "tables": [{"title": "Comm modes side by side", "columns": columns(rounds), "rows": rows}],
         "headline": headline(config, rows),
     }
+    if any(r.get("bd_step_ms") is not None for r in rows):
+        results["tables"].append(
+            {
+                "title": "Step breakdown of the profiled step (compute stream, mean over ranks)",
+                "columns": [("mode", "mode"), *BREAKDOWN_COLUMNS],
+                "rows": rows,
+            }
+        )
     notes = (
         f"{meta['machine']}, torch {meta['torch']}, NCCL {meta['nccl']}, commit "
         f"{meta['commit']}, {meta['date']}. Config `{config}`, {args['steps']} steps per run, "
@@ -264,6 +371,19 @@ def write_outputs(
         "step of each mode's round-1 run (profiled, mean over ranks; that step and the one "
         "before are left out of the median), share = that / the run's median step."
         + ("" if profiled else " Not profiled in this run.")
+        + (
+            f" Floor: {floor['floor_ms']:.1f} ms from {floor['file']} (bench_floor.py: the "
+            "per-GPU work on one GPU, no communication); gap = best step / floor - 1."
+            if floor
+            else " No compute floor for this config (run bench_floor.py)."
+        )
+        + (
+            " Breakdown: the profiled step on its compute stream (compute, optimizer, "
+            "exposed communication, host-bound and other idle sum to the profiled step; "
+            "docs/2026-12-01-compute-floor.md)."
+            if any(r.get("bd_step_ms") is not None for r in rows)
+            else ""
+        )
         + "\n"
     )
     labels = [r["mode"] for r in rows]
@@ -297,7 +417,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--profile", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--log-dir", default=os.environ.get("OUT") or tempfile.gettempdir())
+    parser.add_argument("--floor-json", default=None,
+                        help="bench_floor.py result of the config (default: the newest "
+                             "*_floor_<config>.json under --out-dir)")  # fmt: skip
     args = parser.parse_args(argv)
+    floor_path = args.floor_json or find_floor(args.out_dir, Path(args.config).stem)
+    floor = load_floor(floor_path) if floor_path else None
+    print(f"[bench_step] compute floor: {floor or 'none found under ' + args.out_dir}", flush=True)
 
     import torch
 
@@ -307,6 +433,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     profile = args.profile == "on" or (args.profile == "auto" and cuda)
     sm_count = _sm_count() if profile and cuda else 0
     meta = common.metadata(world)
+    if floor and floor["world_size"] not in (None, world):
+        print(f"[bench_step] WARNING: {floor['file']} is the floor of a {floor['world_size']}-rank "
+              f"step, this run has {world} ranks: floor not used", flush=True)  # fmt: skip
+        floor = None
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     for round_index in range(1, args.rounds + 1):
@@ -327,15 +457,17 @@ def main(argv: Sequence[str] | None = None) -> None:
                 if profiled:
                     try:
                         traces = find_traces(Path(dump))
-                        summary["layout"] = layout_from_traces(traces, summary["step_ms"], sm_count)
+                        summary["layout"], summary["breakdown"] = profile_from_traces(
+                            traces, summary["step_ms"], sm_count
+                        )
                     except Exception as e:  # noqa: BLE001 - a bad trace must not lose the run
                         summary["layout"] = {"error": f"{type(e).__name__}: {e}"}
                 runs[mode].append(summary)
-            shown = {k: v for k, v in runs[mode][-1].items() if k != "layout"}
+            shown = {k: v for k, v in runs[mode][-1].items() if k not in ("layout", "breakdown")}
             print(f"[bench_step] round {round_index} {mode}: {shown}", flush=True)
 
     stem = common.result_stem(args.out_dir, f"step_{args.config}", meta)
-    text = write_outputs(stem, meta, vars(args), runs, profile)
+    text = write_outputs(stem, meta, vars(args), runs, profile, floor)
     print(text)
     if any(row.get("error") for row in compare(runs)):
         sys.exit(1)

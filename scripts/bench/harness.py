@@ -15,7 +15,7 @@
 
 Importing this module turns NVLink multicast off for the process and the workers it
 spawns (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``,
-``NVSHMEM_DISABLE_NVLS=1``: DESIGN.md section 2); import it before anything creates a
+``NVSHMEM_DISABLE_NVLS=1``: docs/2026-11-29-h200-facts.md); import it before anything creates a
 CUDA context or a communicator.
 """
 

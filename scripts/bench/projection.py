@@ -25,11 +25,11 @@ Step time (a PROJECTION, not a measurement), per step and rank, over FSDP groups
   one reduce-scatter per group.
 - overlap: the first group's AG + RS are exposed (nothing to hide behind at the start and
   end of a step); the rest hides behind overlap * fwd_bwd, the excess is exposed. Hidden
-  communication slows compute by an interference fraction per mode (DESIGN.md section 2:
+  communication slows compute by an interference fraction per mode (docs/2026-11-29-h200-facts.md:
   GEMM 8192^3 +15% under an NCCL reduce-scatter, +9% under a copy-engine copy).
 - step = fwd_bwd + optimizer + layout + exposed + interference * hidden. Optimizer ms
   scale with the shard numel; layout conversion (stock copy-in/copy-out; 0 for tide;
-  only the RS copy-in, 11.0 of 18.4 ms in DESIGN.md, for tide_ag) with the unsharded
+  only the RS copy-in, 11.0 of 18.4 ms in docs/2026-11-29-h200-facts.md, for tide_ag) with the unsharded
   numel.
 - fwd_bwd of a reference config is given, or solved so that the model reproduces its
   measured fsdp2 step (measured step minus exposed communication, layout, optimizer and
@@ -48,7 +48,7 @@ the measured steps of its config at its world size) or a JSON object with any of
      "references": {"h200x2_llama70b_4layers": {"gpus": 2,
                     "step_ms": {"fsdp2": 505.6, "tide": 493.7}, "fwd_bwd_ms": null}}}
 
-Without one: DESIGN.md section 2 (bandwidths, interference, optimizer and layout costs)
+Without one: docs/2026-11-29-h200-facts.md (bandwidths, interference, optimizer and layout costs)
 and the measured 2x H200 steps in bench/results. Writes
 ``<date>_<machine>_<commit>_projection.{json,md,png}`` under ``--out-dir``; the
 metadata's ``world_size`` is the largest projected GPU count (nothing ran on GPUs).
@@ -91,10 +91,10 @@ DEFAULT_CONFIGS = (
     "h200x2_qwen3_30b_a3b_4layers",
     "h200x2_wan22_a14b_20layers",
 )
-LAYOUT_RS_SHARE = 11.0 / 18.4  # DESIGN.md section 2: chunk_cat (RS copy-in) of the layout ms
+LAYOUT_RS_SHARE = 11.0 / 18.4  # docs/2026-11-29-h200-facts.md: chunk_cat (RS copy-in) of the layout ms
 AC_COMPUTE_FACTOR = {"none": 1.0, "full": 4.0 / 3.0}  # full AC recomputes the forward
-LLAMA_4LAYER_PARAMS = 4 * 855_654_400  # the DESIGN.md section 2 step: 4 Llama-70B layers
-DESIGN = "default: DESIGN.md section 2"
+LLAMA_4LAYER_PARAMS = 4 * 855_654_400  # the docs/2026-11-29-h200-facts.md step: 4 Llama-70B layers
+DESIGN = "default: docs/2026-11-29-h200-facts.md"
 BENCH = "bench/results/2026-11-30_nvidia-h200-x-2_{}_step_{}.json, best step ms"
 STEP_MODEL = __doc__.split("Step time (a PROJECTION", 1)[1].split("Calibration (", 1)[0]
 
@@ -139,7 +139,7 @@ class Calibration:
 
 
 def default_calibration() -> Calibration:
-    """DESIGN.md section 2 figures and the measured 2x H200 steps of bench/results."""
+    """docs/2026-11-29-h200-facts.md figures and the measured 2x H200 steps of bench/results."""
     refs = (
         Reference(
             "h200x2_llama70b_4layers",

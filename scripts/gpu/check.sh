@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: GPU tests, the debug model per comm mode, the benchmark suite
-# (step, all-gather, collectives, interference), the report, then a short table.
+# One call on the GPU machine: GPU tests, the compute floors, the debug model per comm mode,
+# the benchmark suite (step, all-gather, collectives, interference), the report, then a short
+# table.
 #   TIDE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/check.sh
 #   STAGES="collectives interference step report" bash scripts/gpu/check.sh
+#   STAGES="tests floor" bash scripts/gpu/check.sh      # all that runs on ONE GPU (~5 min)
 # Stages (default: all, in this order) and their rough time on 2x H200:
 #   tests         GPU-marked pytest tests (incl. every benchmark at a small size)  ~2-3 min
+#                 (1 GPU: the 2-GPU tests skip; the rest ~1.5 min)
+#   floor         bench_floor per config in FLOOR_CONFIGS, on GPU 0 only (1 GPU is enough):
+#                 the compute floor the step rows' gap_to_floor_pct refers to
+#                 ~40 s llama, ~30 s qwen3, ~2 min wan22 (7.5 s per fwd+bwd)
 #   train         debug model, every comm mode, 1 round (bench_step)               ~1.5 min
 #   step          bench_step per config in STEP_CONFIGS, all modes                 ~2.5 min/config
 #   bench         bench_ag (TIDE-AG vs stock, copy-engine batch)                   ~1 min
@@ -12,8 +18,9 @@
 #   interference  bench_interference (2 GEMMs beside AG/RS x 3 modes)              ~1 min
 #   accumulate    bench_accumulate (TIDE-RS kernel GiB/s vs CTA count, 1 GPU)       ~20 s
 #   report        report.py over bench/results                                     seconds
-# Knobs: STEPS (train, 30), STEP_CONFIGS (h200x2_llama70b_4layers), STEP_STEPS (12),
-# STEP_ROUNDS (1), STEP_MODES / MODES (fsdp2,symm_mem,tide), COLL_ITERS (20), INTERF_REPS (6).
+# Knobs: FLOOR_CONFIGS (the three h200x2_* configs), FLOOR_WORLD (2: ranks of the step whose
+# per-GPU work is measured), FLOOR_ARGS (more bench_floor arguments, e.g. "--warmup 1"), STEPS (train, 30), STEP_CONFIGS (h200x2_llama70b_4layers),
+# STEP_STEPS (12), STEP_ROUNDS (1), STEP_MODES / MODES (fsdp2,symm_mem,tide), COLL_ITERS (20), INTERF_REPS (6).
 # Results (JSON/MD/PNG) land in bench/results/; $OUT gets results.tgz (this run's result
 # files), the report (.md/.png), summary.md and logs.tgz (every log), i.e. few files.
 # Needs the wheels from scripts/gpu/fetch_wheels.sh in .whl/ (carry ".whl").
@@ -25,7 +32,8 @@ cd "$REPO"
 OUT="${OUT:-/tmp/tide_check}"
 LOGS=/tmp/tide_logs
 mkdir -p "$OUT" "$LOGS" bench/results
-STAGES="${STAGES:-tests train step bench accumulate collectives interference report}"
+STAGES="${STAGES:-tests floor train step bench accumulate collectives interference report}"
+FLOOR_CONFIGS="${FLOOR_CONFIGS:-h200x2_llama70b_4layers h200x2_qwen3_30b_a3b_4layers h200x2_wan22_a14b_20layers}"
 MODES="${MODES:-fsdp2,symm_mem,tide}"
 MARK="$LOGS/.start"
 touch "$MARK"
@@ -56,6 +64,16 @@ run() {
 if has tests; then
   run gpu_tests 600 python3 -m pytest -q -m gpu tests -p no:cacheprovider
   note "  $(tail -1 "$LOGS/gpu_tests.log")"
+fi
+
+if has floor; then
+  first_gpu="${CUDA_VISIBLE_DEVICES:-0}"
+  for config in $FLOOR_CONFIGS; do
+    run "floor_$config" 480 env CUDA_VISIBLE_DEVICES="${first_gpu%%,*}" \
+      python3 scripts/bench/bench_floor.py --config "$config" --world-size "${FLOOR_WORLD:-2}" \
+      --out-dir bench/results ${FLOOR_ARGS:-}
+    note "  $(grep -o 'floor_ms = [0-9.]* ms[^;]*' "$LOGS/floor_$config.log" | tail -1)"
+  done
 fi
 
 if has train; then

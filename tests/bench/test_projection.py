@@ -161,7 +161,7 @@ def test_calibration_files(tmp_path):
     assert cal.interference["fsdp2"] == 0.15
     assert cal.references[0].config == "small" and cal.references[0].fwd_bwd_ms == 250.0
     assert cal.sources["nvlink_gibps"].startswith(f"file: {path}")
-    assert cal.sources["nccl_all_gather_bus_gibps"].startswith("default: DESIGN.md")
+    assert cal.sources["nccl_all_gather_bus_gibps"].startswith("default: docs/2026-11-29-h200-facts.md")
     # A recorded bench_step result (fixed sample, not whatever bench/results holds).
     step_json = DATA / "2026-11-30_nvidia-h200-x-2_7334fb3_step_h200x2_qwen3_30b_a3b_4layers.json"
     cal = proj.apply_calibration_file(cal, step_json)

@@ -465,6 +465,11 @@ def test_gpu_step_profiled(tmp_path):
     # the reduce's kernels include chunk_cat (found through FSDP2's reduce range)
     assert row["rs_kernel_ms"] >= layout["chunk_cat_ms"] > 0
     assert 0 < row["rs_kernel_sm_weighted_ms"] <= row["rs_kernel_ms"]
+    # the step breakdown of the profiled step sums to it (2 ranks: collectives on side streams)
+    parts = [row[f"bd_{k}"] for k in ("compute_ms", "optimizer_ms", "exposed_comm_ms",
+                                      "host_bound_ms", "other_idle_ms")]  # fmt: skip
+    assert sum(parts) == pytest.approx(row["bd_step_ms"], rel=1e-9)
+    assert row["bd_compute_ms"] > 0 and row["bd_optimizer_ms"] > 0 and row["bd_comm_busy_ms"] > 0
 
 
 def test_results_json_is_self_describing():

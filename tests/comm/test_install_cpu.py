@@ -1,5 +1,6 @@
 """``comm.apply(mode='tide')`` on CPU/gloo: atomic install, no-op cases, custom comms,
-rebinding by someone else, replicate-only meshes, dispatch modes.
+rebinding by someone else, backends without point-to-point, replicate-only meshes,
+dispatch modes.
 
 One spawn of 2 ranks runs every case in order (process start-up dominates on 2 cores).
 Each case asserts what the user sees: the error on EVERY rank (naming the failing rank),
@@ -171,7 +172,22 @@ def _cases(rank: int, world: int) -> None:
     comm.remove(model)
     assert fsdp_patch.installed_refcount() == 0
 
-    # 7. replicate() (replicate-only mesh): FSDP2's path, logged, no assertion.
+    # 7. A backend without point-to-point (as torch's threaded test backend): auto takes
+    # FSDP2's path for the group, logged, instead of failing in isend later.
+    real_backend = dist.get_backend
+    dist.get_backend = lambda group=None: "threaded"
+    try:
+        model = _model()
+        comm.apply(model, "tide")
+    finally:
+        dist.get_backend = real_backend
+    if rank == 0:  # other ranks log only decisions that differ from rank 0's
+        assert records.grep("backend 'threaded' has no point-to-point")
+    assert fsdp_patch.installed_refcount() == 0
+    _step(model)
+    comm.remove(model)
+
+    # 8. replicate() (replicate-only mesh): FSDP2's path, logged, no assertion.
     replicate = pytest.importorskip("torch.distributed._composable.replicate_with_fsdp").replicate
     torch.manual_seed(0)
     rep = replicate(nn.Linear(8, 8))

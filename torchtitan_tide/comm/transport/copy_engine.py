@@ -20,7 +20,7 @@ process group, so ``round`` advances identically everywhere):
 4. pull: ONE ``cudaMemcpyBatchAsync`` call copies every (source rank,
    parameter) shard from the holder's slot straight into this rank's
    parameter storage at ``dst_offset(source rank)``. Same dtype on both sides:
-   a pure copy-engine copy, no SM kernel. Measured (DESIGN.md section 2): 576
+   a pure copy-engine copy, no SM kernel. Measured (docs/2026-11-29-h200-facts.md): 576
    copies at 330 GiB/s as one batch versus 69 GiB/s as a loop of ``copy_``.
 
 If ``cuda-bindings`` is missing (or the batch call fails once), the pulls run
