@@ -79,7 +79,11 @@ class Layout:
     element: one fp32 addition, any order); else relative. ``cpu_offload``: parameters
     marked CPU-offloaded (see :func:`_marked_offloaded`). ``ag_extension``: parameter
     names made :class:`AllGatherExtensionTensor` (FSDP2's all-gather extension, as
-    float8 weights use) in both copies.
+    float8 weights use) in both copies. ``microbatches`` > 1 (not with PP): gradient
+    accumulation over that many microbatches of a step; ``accumulate``: ``"no_sync"``
+    (``set_requires_gradient_sync(False)`` before all but the last: no reduce) or
+    ``"no_all_reduce"`` (``set_requires_all_reduce(False)``: HSDP reduce-scatters every
+    microbatch and all-reduces the accumulated shard at the last).
     """
 
     model: str = "llama3"
@@ -98,6 +102,8 @@ class Layout:
     num_experts: int = 8
     ag_extension: tuple = ()
     local_world_sizes: tuple = (0, 1)
+    microbatches: int = 1
+    accumulate: str = "no_sync"
     fsdp2_groups: dict = field(default_factory=dict)
     tolerance: float = 0.0
     steps: int = 3
@@ -456,6 +462,7 @@ class _Copy:
     def __init__(self, base: nn.Module, layout: Layout, dims, tide: dict) -> None:
         jc = job_config_for(layout)
         jc.tide = Tide(**tide)
+        self.layout = layout
         fn = parallelize_fn_for(layout)
         model = copy.deepcopy(base)
         with_ag_extension(model, layout.ag_extension)
@@ -471,11 +478,20 @@ class _Copy:
         self.opt = torch.optim.SGD(params, lr=LR)
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
-        if self.schedule is None:
-            loss = loss_fn(self.parts[0](x), y)
-            loss.backward()
-            return loss.detach()
+        """One optimizer step's forward and backward (all microbatches); the losses."""
         losses: list[torch.Tensor] = []
+        if self.schedule is None:
+            model, n = self.parts[0], self.layout.microbatches
+            for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n), strict=True)):
+                last = i == n - 1
+                if n > 1 and self.layout.accumulate == "no_sync":
+                    model.set_requires_gradient_sync(last)
+                elif n > 1:  # "no_all_reduce": reduce-scatter each microbatch (HSDP)
+                    model.set_requires_all_reduce(last)
+                loss = loss_fn(model(xm), ym)
+                loss.backward()
+                losses.append(loss.detach())
+            return torch.stack(losses)
         self.schedule.step(
             x if self.first else None, target=y if self.last else None, losses=losses,
             return_outputs=False,

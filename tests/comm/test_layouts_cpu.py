@@ -23,6 +23,7 @@ passes 20 s, so none is marked ``slow``.
 
 from __future__ import annotations
 
+import pytest
 from _harness import spawn
 from _layouts import Layout, run_layout
 
@@ -36,6 +37,13 @@ def test_hsdp():
     """dp_replicate 2 x dp_shard 2: TIDE-AG and TIDE-RS on the shard dim, FSDP2's
     all-reduce across the replicas."""
     spawn(run_layout, 4, Layout(dp_replicate=2, dp_shard=2))
+
+
+@pytest.mark.parametrize("accumulate", ["no_sync", "no_all_reduce"])
+def test_hsdp_accumulate(accumulate):
+    """HSDP with 2 microbatches a step: without sync (one reduce at the last), or with
+    the reduce-scatter every microbatch and FSDP2's all-reduce only at the last."""
+    spawn(run_layout, 4, Layout(dp_replicate=2, dp_shard=2, microbatches=2, accumulate=accumulate))
 
 
 def test_ep():
