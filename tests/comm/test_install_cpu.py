@@ -64,8 +64,8 @@ class _NoTensorOps(TorchDispatchMode):
 
 def _cases(rank: int, world: int) -> None:
     from torchtitan_tide import comm
-    from torchtitan_tide.comm import fsdp_internals, fsdp_patch, topology
-    from torchtitan_tide.comm.fsdp_patch import TideInstallError
+    from torchtitan_tide.comm import fsdp_internals, fsdp_patch, install, topology
+    from torchtitan_tide.comm.install import TideInstallError
 
     records = _Records()
     logging.getLogger("torchtitan_tide.comm").addHandler(records)  # every comm module
@@ -89,18 +89,18 @@ def _cases(rank: int, world: int) -> None:
 
     # 2. A failure in the collective set-up on rank 0 only: every rank raises, and
     # nothing stays marked (the groups take FSDP2's path; a retry works).
-    real_create = fsdp_patch._create_slots
+    real_create = install._create_slots
 
     def create_fails(*args, **kwargs):
         raise RuntimeError("injected set-up failure")
 
     if rank == 0:
-        fsdp_patch._create_slots = create_fails
+        install._create_slots = create_fails
     try:
         with pytest.raises(TideInstallError, match="set-up on rank 0: RuntimeError: injected"):
             comm.apply(model, "tide")
     finally:
-        fsdp_patch._create_slots = real_create
+        install._create_slots = real_create
     assert fsdp_patch.installed_refcount() == 0
     assert not any(hasattr(g, "_tide_ag_state") for _, g in fsdp_internals.fsdp_param_groups(model))
     comm.apply(model, "tide")

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from . import fsdp_patch, symm_mem
+from . import install, symm_mem
 from .options import TideOptions
 
 __all__ = [
@@ -47,13 +47,13 @@ def _remove_fsdp2(model: nn.Module) -> None:
 
 
 def _apply_tide(model: nn.Module, **options: object) -> None:
-    fsdp_patch.install(model, TideOptions.from_kwargs(**options))
+    install.install(model, TideOptions.from_kwargs(**options))
 
 
 # mode -> (apply_fn, remove_fn); other modules add modes with register_mode.
 _MODES: dict[str, tuple[ApplyFn, RemoveFn]] = {
     "fsdp2": (_apply_fsdp2, _remove_fsdp2),
-    "tide": (_apply_tide, fsdp_patch.uninstall),
+    "tide": (_apply_tide, install.uninstall),
 }
 def register_mode(name: str, apply_fn: ApplyFn, remove_fn: RemoveFn) -> None:
     """Register (or replace) a comm mode. ``apply_fn(model, **options)`` must

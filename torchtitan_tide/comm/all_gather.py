@@ -75,7 +75,7 @@ class TideAllGatherResult(AllGatherResult):
 
 @dataclass
 class TideGroupState:
-    """TIDE state of one FSDPParamGroup, owned by ``fsdp_patch``.
+    """TIDE state of one FSDPParamGroup, made by ``install``, read by ``fsdp_patch``.
 
     ``group`` is the process group the plan was built for; a call with another
     group (e.g. the post-forward mesh of ``reshard_after_forward=int``) takes

@@ -1,6 +1,6 @@
 """Every read of FSDP2 internals, and every torch-version difference (2.11 - 2.13).
 
-The TIDE stack (``fsdp_patch``) and the ``symm_mem`` baseline read FSDP2 only through
+The TIDE stack (``fsdp_patch``, ``install``) and the ``symm_mem`` baseline read FSDP2 only through
 this module, so a torch upgrade is checked in one place. What is read:
 
 - the param groups of a module: 2.12+ keeps a list ``state._fsdp_param_groups``,

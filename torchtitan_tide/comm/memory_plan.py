@@ -3,7 +3,7 @@
 Pure Python (integer arithmetic on parameter shapes), so it answers for any GPU count
 without GPUs. ``python -m torchtitan_tide.plan`` builds the groups of a training TOML and
 prints this plan; ``scripts/bench/projection.py`` uses it for its scale projection. The
-TIDE sizes follow what ``comm.fsdp_patch`` allocates (slots through the shared
+TIDE sizes follow what ``comm.install`` allocates (slots through the shared
 :func:`slot_sizes`, staging, RSBuffers).
 
 Notation (all per rank, in bytes unless said otherwise):
@@ -227,7 +227,7 @@ def slot_sizes(
     tide_rs: bool,
     slot_reuse: bool,
 ) -> SlotSizes:
-    """The one sizing rule of TIDE's copy-engine slots, used by ``fsdp_patch.install``
+    """The one sizing rule of TIDE's copy-engine slots, used by ``install.install``
     (real FSDP groups) and :func:`plan_memory` (shapes). Per FSDP group of one process
     group: ``packed_shard_bytes`` = the rank's shards packed 16-byte aligned (``A_g``),
     ``grad_shard_bytes`` = its shard in the gradient dtype (``S_g * b_grad``),
@@ -364,7 +364,7 @@ def _tide_buffers(
     rs_inflight: int,
     slot_reuse: bool,
 ) -> _TideBuffers:
-    """TIDE-AG slots and TIDE-RS buffers as ``fsdp_patch.install`` sizes them
+    """TIDE-AG slots and TIDE-RS buffers as ``install.install`` sizes them
     (the copy-engine slots through the same :func:`slot_sizes`)."""
     world, local, nodes = layout.world_size, layout.local_world_size, layout.num_nodes
     shard = [group_shard_numel(g, world) for g in groups]

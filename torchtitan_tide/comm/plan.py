@@ -100,7 +100,7 @@ class WorldLayout:
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """What the plan needs to know about one FSDP parameter (filled by fsdp_patch).
+    """What the plan needs to know about one FSDP parameter (filled by ``install``).
 
     ``shard_numel`` is the padded per-rank shard numel. ``dtype`` is the
     all-gather (unsharded) dtype name, e.g. ``"torch.bfloat16"``.

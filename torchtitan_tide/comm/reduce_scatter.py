@@ -117,7 +117,7 @@ class RSBuffers:
 
 @dataclass
 class TideRSState:
-    """TIDE-RS state of one FSDPParamGroup, owned by ``fsdp_patch``.
+    """TIDE-RS state of one FSDPParamGroup, made by ``install``, read by ``fsdp_patch``.
 
     ``transport`` implements ``exchange_rows`` (copy engine or point-to-point);
     ``use_tide_stream``: phase 1 runs on TIDE's all-gather stream (slots shared

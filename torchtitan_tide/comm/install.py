@@ -1,0 +1,469 @@
+"""``comm.apply(mode="tide")``: which FSDP groups TIDE takes, with what, agreed by all ranks.
+
+:func:`install` is collective over each FSDP process group of the groups TIDE may take,
+and atomic: local selection first (no collective), then one ``all_gather_object`` of every
+rank's :class:`~.topology.RankInfo` per process group, local planning, an agreement
+(every rank's error and transport proposal), the collective set-up (node-local groups,
+symmetric slots), and a second agreement. A failure on any rank raises on every rank of
+its groups with that rank's message, and frees what was set up. Nothing collective runs
+when no group can use TIDE. The state of one model (slots, node-local groups, the bypass
+hook) is owned by its :class:`TideContext`, dropped by :func:`uninstall`; the groups
+are marked for the wrappers with ``fsdp_patch.mark``. Decisions:
+docs/2026-12-01-cluster-layouts.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from . import fsdp_internals, fsdp_patch, kernels, topology
+from .all_gather import TideGroupState
+from .fsdp_internals import fsdp_param_groups
+from .memory_plan import slot_sizes
+from .options import TideOptions
+from .plan import ParamSpec, WorldLayout, build_group_plan
+from .reduce_scatter import RSBuffers, TideRSState
+from .transport import AllGatherTransport, ReduceScatterTransport
+from .transport.copy_engine import CopyEngineTransport, SymmSlots
+from .transport.p2p import P2PTransport
+
+__all__ = ["TideConfigError", "TideContext", "TideInstallError", "install", "uninstall"]
+
+logger = logging.getLogger(__name__)
+
+_MODEL_ATTR = "_tide_ag_installed"
+
+
+@dataclass
+class TideContext:
+    """Everything TIDE set up for one model; :func:`uninstall` drops it."""
+
+    groups: list = field(default_factory=list)  # FSDPParamGroup marked for TIDE
+    slots: list = field(default_factory=list)  # SymmSlots
+    node_groups: list = field(default_factory=list)  # node-local process groups made here
+    forward_hook: object = None  # RemovableHandle of the bypass check
+
+
+class TideInstallError(RuntimeError):
+    """comm.apply(mode='tide') failed on some rank; raised on every rank of its groups
+    (as ``TideConfigError``, a ``ValueError``, when every failure was a bad option)."""
+
+
+class TideConfigError(TideInstallError, ValueError):
+    pass
+
+
+@dataclass
+class _Candidate:
+    """One FSDP param group TIDE may take, with what install decided for it."""
+
+    fqn: str
+    pg: object  # FSDPParamGroup
+    group: dist.ProcessGroup
+    device: torch.device
+    root: str
+    kind: str | None = None  # "copy_engine" | "p2p" | None (FSDP2's path)
+    why: str = ""
+    plan: object = None  # GroupPlan
+    layout: WorldLayout | None = None
+
+
+@contextlib.contextmanager
+def _control_plane():
+    """Install's own collectives run outside any dispatch mode or functorch
+    transform the caller may be in (they are control plane, not model math)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch._C._DisableFuncTorch():
+        yield
+
+
+def _distinct_groups(cands: list[_Candidate]) -> list[tuple[dist.ProcessGroup, torch.device]]:
+    """Each process group once, in model order (the same order on every rank)."""
+    seen: dict[int, tuple[dist.ProcessGroup, torch.device]] = {}
+    for c in cands:
+        seen.setdefault(id(c.group), (c.group, c.device))
+    return list(seen.values())
+
+
+def _agree(
+    groups: list[tuple[dist.ProcessGroup, torch.device]], what: str, payload: dict
+) -> dict[int, list[dict]]:
+    """One ``all_gather_object`` per process group of ``payload`` (which carries this
+    rank's ``"error"``, or None). Raises :class:`TideInstallError` on every rank when
+    any rank of any of this rank's groups reported an error; else returns every
+    rank's payload per ``id(group)``."""
+    gathered: dict[int, list[dict]] = {}
+    failures: dict[int, tuple[str, bool]] = {}
+    for group, _ in groups:
+        out: list[dict | None] = [None] * group.size()
+        dist.all_gather_object(out, payload, group=group)
+        gathered[id(group)] = out  # type: ignore[assignment]
+        for item in out:
+            if item is not None and item.get("error"):
+                failures[item["rank"]] = item["error"]
+    if failures:
+        by_message: dict[str, list[int]] = {}
+        for r, (msg, _) in sorted(failures.items()):
+            by_message.setdefault(msg, []).append(r)
+        lines = "; ".join(
+            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {msg}"
+            for msg, rs in by_message.items()
+        )
+        config = all(is_config for _, is_config in failures.values())
+        cls = TideConfigError if config else TideInstallError
+        raise cls(f"comm.apply(mode='tide') failed during {what} on {lines}")
+    return gathered
+
+
+def _error_text(e: BaseException) -> tuple[str, bool]:
+    """(message, whether it is a bad option: ``ValueError``) of a failure to report."""
+    return f"{type(e).__name__}: {e}", isinstance(e, ValueError)
+
+
+def _select(model: nn.Module, decisions: list[str]) -> list[_Candidate]:
+    """The groups TIDE may take (no collectives); the others' reasons go to ``decisions``."""
+    roots = fsdp_internals.group_root_fqns(model)
+    cands: list[_Candidate] = []
+    for fqn, pg in fsdp_param_groups(model):
+        group = fsdp_internals.shard_group(pg)
+        device = pg.device
+        if group is None:
+            decisions.append(f"{fqn}: FSDP2 path (replicate-only mesh: nothing to all-gather)")
+        elif group.size() == 1:
+            decisions.append(f"{fqn}: FSDP2 path (group of 1 rank: FSDP2 skips the all-gather)")
+        elif device.type not in ("cuda", "cpu"):
+            decisions.append(f"{fqn}: FSDP2 path (device {device.type} not supported)")
+        elif (reason := fsdp_internals.custom_comm_reason(pg)) is not None:
+            decisions.append(f"{fqn}: FSDP2 path ({reason} set on this group)")
+        else:
+            cands.append(_Candidate(fqn, pg, group, device, roots.get(id(pg), "<root>")))
+    return cands
+
+
+def _decide(
+    cands: list[_Candidate],
+    options: TideOptions,
+    infos: dict[int, list[topology.RankInfo]],
+) -> None:
+    """Per candidate: layout, this rank's transport proposal, plan (local only)."""
+    for c in cands:
+        rank_infos = infos[id(c.group)]
+        lws, lws_source = topology.resolve_local_world_size(options, topology.node_keys(rank_infos))
+        layout = WorldLayout(c.group.size(), lws)
+        rank = c.group.rank()
+        access = (
+            topology.local_peer_access(rank_infos, layout, rank)
+            if c.device.type == "cuda" and lws > 1
+            else (False, "not CUDA" if c.device.type != "cuda" else "no node-local peers")
+        )
+        backend = str(dist.get_backend(c.group))
+        c.kind, c.why = topology.choose_transport(options, layout, c.device, backend, access)
+        c.layout = layout
+        c.why += f"; {layout.num_nodes} nodes x {lws} ({lws_source})"
+
+
+def _settle_transports(cands: list[_Candidate], gathered: dict[int, list[dict]]) -> None:
+    """Every rank of a group takes the same transport: the copy engine only where
+    every rank proposed it, else point-to-point where every rank can, else FSDP2's
+    path (the reason names the ranks that differ)."""
+    for i, c in enumerate(cands):
+        kinds = [item["kinds"][i] for item in gathered[id(c.group)]]
+        if len(set(kinds)) == 1:
+            continue
+        differ = sorted(r for r, k in enumerate(kinds) if k != c.kind)
+        c.kind = None if None in kinds else "p2p"
+        c.why = (
+            f"ranks disagree ({dict(enumerate(kinds))}; group ranks {differ} differ from this "
+            f"rank): {'point-to-point' if c.kind else 'FSDP2 path'} on every rank"
+        )
+
+
+def _build_plans(cands: list[_Candidate], decisions: list[str]) -> list[_Candidate]:
+    taken = []
+    for c in cands:
+        if c.kind is None:
+            decisions.append(f"{c.fqn}: FSDP2 path ({c.why})")
+            continue
+        specs = [
+            ParamSpec(
+                fqn=fsdp_internals.param_fqn(fp),
+                shard_numel=fp._sharded_param_data.numel(),
+                dtype=str(fsdp_internals.ag_dtype(fp, c.pg.mp_policy)),
+                unsupported=fsdp_internals.unsupported_param_reason(fp),
+            )
+            for fp in c.pg.fsdp_params
+        ]
+        assert c.layout is not None
+        c.plan = build_group_plan(
+            specs, c.layout, c.group.rank(), pull_local=c.kind == "copy_engine"
+        )
+        if not c.plan.uses_tide:
+            decisions.append(f"{c.fqn}: FSDP2 path ({c.plan.fallback_reason})")
+            continue
+        decisions.append(
+            f"{c.fqn}: transport={c.kind} ({c.why}); {len(c.plan.params)} params, "
+            f"dtypes {list(c.plan.dtypes)}"
+        )
+        taken.append(c)
+    return taken
+
+
+def _create_slots(
+    cands: list[_Candidate], options: TideOptions, ctx: TideContext, decisions: list[str]
+) -> tuple[dict, dict]:
+    """Collective: node-local groups and symmetric slots per (process group, device)
+    of the copy-engine candidates. A group whose node-local group cannot be made
+    raises (the agreement after this turns it into one error on every rank)."""
+    tide_rs = options.reduce_scatter == "tide"
+    shared = tide_rs and options.slot_reuse
+    by_key: dict[tuple[int, torch.device], list[_Candidate]] = {}
+    for c in cands:
+        if c.kind == "copy_engine":
+            by_key.setdefault((id(c.group), c.device), []).append(c)
+    ag_slots: dict = {}
+    rs_slots: dict = {}
+    for key, members in by_key.items():
+        group, layout = members[0].group, members[0].layout
+        global_ranks = dist.get_process_group_ranks(group)
+        node_group = topology.make_node_local_group(group, layout, global_ranks)
+        if node_group is None:
+            raise RuntimeError(
+                "the copy engine across nodes needs a node-local process group, and "
+                "torch.distributed.split_group could not make one for this sub-group; "
+                "set [tide] ag_transport = 'nccl_p2p'"
+            )
+        if node_group is not group:
+            ctx.node_groups.append(node_group)
+        sizes = slot_sizes(
+            num_nodes=layout.num_nodes,
+            local_world_size=layout.local_world_size,
+            packed_shard_bytes=[
+                fsdp_internals.shard_bytes(c.pg, "param", align=16) for c in members
+            ],
+            grad_shard_bytes=[fsdp_internals.shard_bytes(c.pg, "param") for c in members],
+            reduce_shard_bytes=[fsdp_internals.shard_bytes(c.pg, "reduce") for c in members],
+            rs_rows=options.rs_rows,
+            tide_rs=tide_rs,
+            slot_reuse=options.slot_reuse,
+        )
+        ag_slots[key] = SymmSlots.create(
+            sizes.ag_slot_bytes, node_group, key[1], barrier=options.slot_barrier
+        )
+        ctx.slots.append(ag_slots[key])
+        barrier = ag_slots[key].barrier_kind
+        decisions.append(
+            f"copy-engine slots on {key[1]}: 2 x {ag_slots[key].slot_bytes} B, barrier "
+            + ("stream flag write/wait (no SM kernel)" if barrier == "copy_engine" else
+               f"kernel (option slot_barrier={options.slot_barrier!r}"
+               f"{'' if options.slot_barrier == 'kernel' else ': copy-engine barrier unavailable'})")
+        )  # fmt: skip
+        if tide_rs and not shared:
+            rs_slots[key] = SymmSlots.create(
+                sizes.rs_slot_bytes, node_group, key[1], barrier=options.slot_barrier
+            )
+            ctx.slots.append(rs_slots[key])
+    return ag_slots, rs_slots
+
+
+def _mark_groups(
+    cands: list[_Candidate],
+    options: TideOptions,
+    ag_slots: dict,
+    rs_slots: dict,
+    ctx: TideContext,
+    decisions: list[str],
+) -> None:
+    """Attach TIDE-AG/RS state to every taken group (local; no collective)."""
+    tide_rs = options.reduce_scatter == "tide"
+    multi_root = len({c.root for c in cands}) > 1
+    p2p_by_key: dict[tuple[int, torch.device], P2PTransport] = {}
+    buffers_by_key: dict[tuple[int, torch.device], RSBuffers] = {}
+    for c in cands:
+        key = (id(c.group), c.device)
+        global_ranks = tuple(dist.get_process_group_ranks(c.group))
+        transport: AllGatherTransport
+        if c.kind == "copy_engine":
+            transport = CopyEngineTransport(ag_slots[key])
+        else:
+            if key not in p2p_by_key:
+                p2p_by_key[key] = P2PTransport(
+                    "nccl_p2p" if c.device.type == "cuda" else "gloo", options.pacing
+                )
+            transport = p2p_by_key[key]
+        ag_comm = getattr(c.pg, "_all_gather_comm", None)
+        ag_state = TideGroupState(c.plan, transport, c.group, c.fqn, ag_comm)
+        ctx.groups.append(c.pg)
+        if not tide_rs or c.pg._reduce_scatter_process_group is not c.group:
+            fsdp_patch.mark(c.pg, ag_state, None)
+            why = (
+                "option reduce_scatter='fsdp2'"
+                if not tide_rs
+                else "all-gather and RS groups differ"
+            )
+            decisions.append(f"{c.fqn}: reduce-scatter FSDP2 ({why})")
+            continue
+        shared = c.kind == "copy_engine" and options.slot_reuse
+        rs_transport: ReduceScatterTransport = (
+            CopyEngineTransport(rs_slots[key]) if key in rs_slots else transport
+        )
+        layout = c.plan.layout
+        # Several FSDP roots have one reduce-scatter stream each; staging shared by
+        # the groups of a process group is only safe on one stream: TIDE's.
+        on_tide_stream = shared or (multi_root and c.device.type == "cuda")
+        fsdp_patch.mark(
+            c.pg,
+            ag_state,
+            TideRSState(
+                layout=layout,
+                rank=c.plan.rank,
+                group=c.group,
+                fqn=c.fqn,
+                transport=rs_transport,
+                buffers=buffers_by_key.setdefault(key, RSBuffers(inflight=options.rs_inflight)),
+                rows=options.rs_rows,
+                ctas=options.rs_ctas,
+                use_tide_stream=on_tide_stream,
+                global_ranks=global_ranks,
+                fsdp_comm=getattr(c.pg, "_reduce_scatter_comm", None),
+            ),
+        )
+        cross = (
+            f"; cross-node p2p over {str(dist.get_backend(c.group)).lower()}, "
+            f"{options.rs_inflight} partials in flight"
+            if layout.num_nodes > 1
+            else ""
+        )
+        accumulate = (
+            f"{kernels.triton_status()}, {options.rs_ctas} CTAs"
+            if c.device.type == "cuda"
+            else "torch"
+        )
+        stream_note = (
+            " (staging in the TIDE-AG slots: Slot-Reuse)" if shared
+            else " (several FSDP roots: on TIDE's stream)" if on_tide_stream else ""
+        )  # fmt: skip
+        decisions.append(
+            f"{c.fqn}: TIDE-RS node-local {c.kind}{stream_note}, "
+            f"{min(options.rs_rows, layout.local_world_size)} rows per round{cross}; "
+            f"accumulate {accumulate}"
+        )
+
+
+def install(model: nn.Module, options: TideOptions) -> None:
+    """Mark every FSDP param group of ``model`` that can use TIDE for TIDE-AG (and
+    TIDE-RS) and install the wrappers. Collective over each FSDP process group of
+    the groups TIDE may take (none when it can take none): call on all ranks, in
+    the same order. Raises on every rank of a group when any of its ranks fails."""
+    if getattr(model, _MODEL_ATTR, None) is not None:
+        raise ValueError(
+            "comm.apply(mode='tide') was already called on this model; call remove first"
+        )
+    decisions: list[str] = []
+    if not fsdp_param_groups(model):
+        if not any(isinstance(m, FSDPModule) for m in model.modules()):
+            raise ValueError(
+                "comm.apply(mode='tide') found no FSDP2 module in the model: shard it with "
+                "torch.distributed.fsdp.fully_shard first"
+            )
+        logger.info(
+            "TIDE: the model's %d FSDP module(s) manage no parameters; nothing to install",
+            fsdp_internals.fsdp_modules_without_groups(model),
+        )
+        setattr(model, _MODEL_ATTR, TideContext())
+        return
+    cands = _select(model, decisions)
+    ctx = TideContext()
+    if not cands:  # nothing collective when TIDE takes nothing
+        _log_decisions(decisions, None)
+        logger.warning("TIDE: no FSDP group of this model can use TIDE; all take FSDP2's path")
+        setattr(model, _MODEL_ATTR, ctx)
+        return
+    groups = _distinct_groups(cands)
+    with _control_plane():
+        infos = {id(g): topology.gather_rank_infos(g, device) for g, device in groups}
+        error = None
+        try:
+            _decide(cands, options, infos)
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            error = _error_text(e)
+        gathered = _agree(
+            groups, "planning",
+            {"rank": dist.get_rank(), "error": error, "kinds": [c.kind for c in cands]},
+        )  # fmt: skip
+        _settle_transports(cands, gathered)
+        taken = _build_plans(cands, decisions)
+        error = None
+        try:
+            ag_slots, rs_slots = _create_slots(taken, options, ctx, decisions)
+            _mark_groups(taken, options, ag_slots, rs_slots, ctx, decisions)
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            error = _error_text(e)
+        try:
+            gathered = _agree(
+                groups, "set-up", {"rank": dist.get_rank(), "error": error, "log": decisions}
+            )
+        except TideInstallError:
+            _drop(ctx)
+            raise
+    _log_decisions(decisions, gathered[id(groups[0][0])][0]["log"])
+    setattr(model, _MODEL_ATTR, ctx)
+    if ctx.groups:
+        fsdp_patch.acquire()
+        ctx.forward_hook = model.register_forward_pre_hook(fsdp_patch.check_not_bypassed)
+    else:
+        logger.warning("TIDE: no FSDP group of this model can use TIDE; all take FSDP2's path")
+
+
+def _log_decisions(decisions: list[str], reference: list[str] | None) -> None:
+    """Global rank 0 logs its decisions; other ranks log (rank-tagged) only the
+    ones that differ from ``reference`` (the first group's rank 0 decisions,
+    gathered by install's agreement: no collective of its own)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0 or reference is None:
+        for d in decisions:
+            logger.info("TIDE group %s", d)
+        return
+    for i, d in enumerate(decisions):
+        if i >= len(reference) or reference[i] != d:
+            logger.info("TIDE group [rank %d] %s", rank, d)
+
+
+def _drop(ctx: TideContext) -> None:
+    """Unmark the context's groups and free its slots and node-local groups (local;
+    the caller synchronized what peers may still read)."""
+    for pg in ctx.groups:
+        fsdp_patch.unmark(pg)
+    ctx.slots.clear()  # symmetric buffers are freed with their last reference
+    for node_group in ctx.node_groups:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group(node_group)
+    ctx.node_groups.clear()
+
+
+def uninstall(model: nn.Module) -> None:
+    """Undo :func:`install` for ``model``; FSDP2's stock path is used again.
+    Call it on all ranks between steps (never while an all-gather is pending):
+    with the copy engine it is collective, since peers may still be pulling
+    from this rank's symmetric buffer until everyone synchronizes."""
+    ctx: TideContext | None = getattr(model, _MODEL_ATTR, None)
+    if ctx is None:
+        return
+    for slots in ctx.slots:
+        device = slots.buffer.device
+        torch.cuda.synchronize(device)  # own pulls and packs done
+        slots.handle.barrier(channel=0)  # every local peer got here too
+        torch.cuda.synchronize(device)
+    _drop(ctx)
+    if ctx.forward_hook is not None:
+        ctx.forward_hook.remove()
+    delattr(model, _MODEL_ATTR)
+    if ctx.groups:
+        fsdp_patch.release()
