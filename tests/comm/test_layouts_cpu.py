@@ -10,13 +10,13 @@ NaN-poisoned; TIDE-AG / TIDE-RS calls are counted per FSDP group on the process 
 the expected mesh dimension (or FSDP2's path, with its logged reason, is asserted).
 
 Tolerance: bitwise where two ranks add up a gradient (one fp32 addition per element,
-in any order). Where four ranks add (EP's dense groups over dp_shard 4), TIDE-RS sums in
+in any order). Where four ranks add (the EP layouts' dense groups, dp_shard 4), TIDE-RS sums in
 its own order (node-local rows, then across nodes) and gloo in another, so the gradient
 shards agree to 1e-5 relative; that layout keeps fp32 parameters, since a bf16 cast of
 parameters one fp32 ulp apart after SGD can round a bf16 ulp apart.
 
-Cost on 2 shared CPU cores: 1-12 s a test (compile, with aot_eager, is the longest;
-inductor takes ~70 s, so it is not used), ~70 s for the file plus a one-time ~20 s
+Cost on 2 shared CPU cores: 1-13 s a test (compile, with aot_eager, is the longest;
+inductor takes ~70 s, so it is not used), ~85 s for the file plus a one-time ~20 s
 import of TorchTitan in the test process, which the forked workers inherit. No test
 passes 20 s, so none is marked ``slow``.
 """
