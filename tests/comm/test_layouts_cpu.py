@@ -12,7 +12,7 @@ the expected mesh dimension (or FSDP2's path, with its logged reason, is asserte
 Tolerance: bitwise where two ranks add up a gradient (one fp32 addition per element,
 in any order). Where four ranks add (the EP layouts' dense groups, dp_shard 4), TIDE-RS sums in
 its own order (node-local rows, then across nodes) and gloo in another, so the gradient
-shards agree to 1e-5 relative; that layout keeps fp32 parameters, since a bf16 cast of
+shards agree to 1e-5 relative; those layouts keep fp32 parameters, since a bf16 cast of
 parameters one fp32 ulp apart after SGD can round a bf16 ulp apart.
 
 Cost on 2 shared CPU cores: 1-13 s a test (compile, with aot_eager, is the longest;
