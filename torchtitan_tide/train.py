@@ -109,9 +109,11 @@ def main() -> None:
     from torchtitan.train import Trainer
     from torchtitan.train import main as titan_main
 
+    from torchtitan_tide.log_noise import install_noise_filters
     from torchtitan_tide.train_specs import nccl_version_string
 
     init_logger()
+    install_noise_filters(device_type)
     logger.info(
         f"torchtitan-tide: device {device_type}, torch {torch.__version__}, "
         f"{nccl_version_string()}, W&B mode {os.environ['WANDB_MODE']}"
