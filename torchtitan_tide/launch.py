@@ -112,7 +112,7 @@ def split_args(argv: list[str]) -> tuple[str, bool, list[str]]:
     if not config:
         raise LaunchError(
             "missing --config; e.g. ./run_train.sh --config debug_model.toml "
-            f"(configs live in {REPO_CONFIG_DIR})"
+            f"(configs live in {REPO_CONFIG_DIR}; ./run_train.sh --help for usage)"
         )
     return config, dry_run, overrides
 
