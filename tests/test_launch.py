@@ -94,3 +94,79 @@ def test_override_values_parsing():
     )
     assert values == {"training.steps": "5", "tide.comm": "tide", "checkpoint.enable": "true",
                       "metrics.log_freq": "2"}
+
+
+def dry_main(monkeypatch, capsys, *args):
+    """launch.main in this process (no subprocess): (return code, stdout, stderr)."""
+    for key in ("NGPU", "NNODES", "NODE_RANK", "MASTER_ADDR", "SLURM_NNODES", "SLURM_NODEID"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("TIDE_DEVICE", "cpu")
+    code = launch.main(["--config", "debug_model", *args, "--dry-run"])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--training.seq_len", "0"], "--training.seq_len 0 (tokens per sample) must be an integer >= 1"),
+        (["--training.local_batch_size", "0"], "--training.local_batch_size 0"),
+        (["--training.steps", "-5"], "--training.steps -5"),
+        (["--training.steps", "ten"], "--training.steps 'ten' must be an integer"),
+        (["--metrics.log_freq", "0"], "--metrics.log_freq 0"),
+        (["--training.max_norm", "0"], "--training.max_norm 0 must be > 0"),
+        (["--training.global_batch_size", "6"], "multiple of local_batch_size x data-parallel degree = 8"),
+        (["--parallelism.tensor_parallel_degree", "3"], "each must be >= 1"),
+        (["--parallelism.data_parallel_shard_degree", "4"], "multiply to 4, not the world size 2"),
+        (["--tide.comm", "tide", "--tide.local_world_size", "3"],
+         "--tide.local_world_size 3 must divide the FSDP group size 2"),
+        (["--tide.slot_reuse", "maybe"], "'maybe' is not a boolean"),
+    ],
+)
+def test_bad_run_values_fail_in_the_launcher(monkeypatch, capsys, args, message):
+    code, out, err = dry_main(monkeypatch, capsys, *args)
+    assert code == 2, out
+    assert message in err, err
+    assert "torch.distributed.run" not in out  # nothing was started
+
+
+def test_booleans_either_way(monkeypatch, capsys):
+    keys = launch.bool_option_keys()
+    assert {"tide.slot_reuse", "tide.metrics_jsonl", "checkpoint.enable"} <= keys
+    normalize = launch.normalize_bool_flags
+    assert normalize(["--tide.slot_reuse", "false", "--training.steps", "3"], keys) == [
+        "--tide.no_slot_reuse", "--training.steps", "3"]
+    for off in (["--tide.slot-reuse=0"], ["--tide.no-slot-reuse"], ["--tide.slot_reuse", "No"]):
+        assert normalize(off, keys) == ["--tide.no_slot_reuse"], off
+    for on in (["--tide.slot_reuse"], ["--tide.slot-reuse", "true"], ["--tide.no_slot_reuse=false"]):
+        assert normalize(on, keys) == ["--tide.slot_reuse"], on
+    assert normalize(["--checkpoint.enable", "--tide.comm", "tide"], keys) == [
+        "--checkpoint.enable", "--tide.comm", "tide"]
+
+    code, out, _ = dry_main(monkeypatch, capsys, "--tide.comm", "tide", "--tide.slot_reuse", "false")
+    assert code == 0
+    assert "'slot_reuse': False" in out
+    assert command_of(out)[-3:] == ["--tide.comm", "tide", "--tide.no_slot_reuse"]
+
+    # What the launcher passes on is what TorchTitan's parser takes (also the train entry's form).
+    from torchtitan.config import ConfigManager
+
+    config = str(launch.REPO_CONFIG_DIR / "debug_model.toml")
+    for args, expected in (([ "--tide.no_slot_reuse"], False), (["--tide.slot_reuse"], True)):
+        parsed = ConfigManager().parse_args(["--job.config_file", config, *args])
+        assert parsed.tide.slot_reuse is expected
+    tide = launch.effective_tide(launch.REPO_CONFIG_DIR / "debug_model.toml", launch.load_toml(config),
+                                 {"tide.no_slot_reuse": "true"})
+    assert tide.slot_reuse is False
+
+
+def test_help_and_dry_run_text(monkeypatch, capsys):
+    assert launch.main(["--help"]) == 0
+    assert "./run_train.sh --config NAME[.toml] [--dry-run]" in capsys.readouterr().out
+
+    code, out, _ = dry_main(monkeypatch, capsys, "--tide.comm", "tide")
+    assert code == 0
+    assert "tide layout local_world_size 0: grouped by host name" in out
+    assert out.strip().splitlines()[-1] == "[run_train] dry run: nothing started (drop --dry-run to train)"
+    code, out, _ = dry_main(monkeypatch, capsys, "--tide.comm", "tide", "--tide.local_world_size", "1")
+    assert "local_world_size 1 (option): 2 node(s) x 1 rank(s)" in out

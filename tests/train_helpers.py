@@ -1,6 +1,5 @@
 """Run ./run_train.sh as a user would and read back its metrics.jsonl."""
 
-import json
 import os
 import socket
 import subprocess
@@ -30,8 +29,10 @@ def train(dump_folder: Path, *overrides: str, config: str = "debug_model", nproc
 
 
 def read_metrics(dump_folder: Path) -> list[dict]:
-    path = dump_folder / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The step records of the folder's last run (resumes resolved: torchtitan_tide.metrics)."""
+    from torchtitan_tide.metrics import read_metrics as read_last_run
+
+    return read_last_run(dump_folder)
 
 
 def losses(records: list[dict]) -> dict[int, float]:

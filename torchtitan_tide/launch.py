@@ -20,13 +20,19 @@ TIDE_DEVICE     "cpu" forces CPU training even where GPUs exist
 communicator is created: the all-gather then runs on copy engines) unless the environment
 sets another value, which is kept with a warning (:func:`comm_env`).
 
-``--dry-run`` prints the summary and the command without running it.
+``--dry-run`` prints the summary and the command without running it; ``--help`` prints
+this text. Booleans take any of ``--section.key``, ``--section.key true|false`` (also
+``=false``, ``1/0``, ``yes/no``) and ``--section.no-key``: the launcher rewrites them to the
+flag form TorchTitan's parser accepts (:func:`normalize_bool_flags`). Sizes, steps and the
+layout are checked against the world before any process starts (:func:`check_run_values`).
 """
 
+import dataclasses
 import os
 import shlex
 import subprocess
 import sys
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -78,6 +84,10 @@ def resolve_config(name: str, config_dir: Path = REPO_CONFIG_DIR) -> Path:
     )
 
 
+BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
+              "0": False, "false": False, "no": False, "off": False}
+
+
 def split_args(argv: list[str]) -> tuple[str, bool, list[str]]:
     """Return (config name, dry_run, overrides passed to TorchTitan)."""
     config, dry_run, overrides = None, False, []
@@ -102,7 +112,7 @@ def split_args(argv: list[str]) -> tuple[str, bool, list[str]]:
     if not config:
         raise LaunchError(
             "missing --config; e.g. ./run_train.sh --config debug_model.toml "
-            f"(configs live in {REPO_CONFIG_DIR})"
+            f"(configs live in {REPO_CONFIG_DIR}; ./run_train.sh --help for usage)"
         )
     return config, dry_run, overrides
 
@@ -128,6 +138,74 @@ def override_values(overrides: list[str]) -> dict[str, str]:
     return values
 
 
+def parse_bool(key: str, value: str) -> bool:
+    """A command-line boolean (``true/false``, ``1/0``, ``yes/no``, ``on/off``)."""
+    try:
+        return BOOL_WORDS[value.strip().lower()]
+    except KeyError:
+        flag = "--" + key.replace("_", "-")
+        raise LaunchError(
+            f"--{key} {value!r} is not a boolean; write {flag} true|false (or {flag} / "
+            f"{flag.replace('.', '.no-', 1)})"
+        ) from None
+
+
+def bool_option_keys() -> set[str]:
+    """``section.key`` of every boolean option: TorchTitan's JobConfig and ``[tide]``."""
+    from torchtitan.config.job_config import JobConfig as TitanJobConfig
+
+    from torchtitan_tide.config import JobConfig as TideJobConfig
+
+    keys = set()
+    for config_cls in (TitanJobConfig, TideJobConfig):
+        for section in dataclasses.fields(config_cls):
+            section_cls = typing.get_type_hints(config_cls).get(section.name)
+            if not dataclasses.is_dataclass(section_cls):
+                continue
+            hints = typing.get_type_hints(section_cls)
+            keys.update(
+                f"{section.name}.{f.name}"
+                for f in dataclasses.fields(section_cls)
+                if hints.get(f.name) is bool
+            )
+    return keys
+
+
+def tide_bool_keys() -> set[str]:
+    """``tide.key`` of every boolean ``[tide]`` option (no TorchTitan import needed)."""
+    return {f"tide.{f.name}" for f in fields(Tide) if f.type in (bool, "bool")}
+
+
+def normalize_bool_flags(args: list[str], bool_keys: set[str]) -> list[str]:
+    """Rewrite boolean options in ``args`` to the flag form TorchTitan's tyro parser takes:
+    ``--s.key``, ``--s.key true``, ``--s.key=1`` -> ``--s.key``; ``--s.key false``,
+    ``--s.key=no``, ``--s.no-key`` -> ``--s.no_key``. Other arguments pass unchanged.
+
+    Raises:
+        LaunchError: a boolean option followed by a value that is not a boolean.
+    """
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        raw_key, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        key = raw_key.replace("-", "_")
+        section, _, name = key.partition(".")
+        negated = name.startswith("no_") and f"{section}.{name[3:]}" in bool_keys
+        if key not in bool_keys and not negated:
+            out.append(arg)
+            i += 1
+            continue
+        if negated:
+            key, name = f"{section}.{name[3:]}", name[3:]
+        if not eq and i + 1 < len(args) and not args[i + 1].startswith("--"):
+            value, eq, i = args[i + 1], "=", i + 1
+        state = parse_bool(key, value) if eq else True
+        out.append(f"--{section}.{name}" if state != negated else f"--{section}.no_{name}")
+        i += 1
+    return out
+
+
 def effective_tide(config_path: Path, config: dict, overrides: dict[str, str]) -> Tide:
     """The ``[tide]`` options of the parsed TOML ``config`` after CLI overrides, validated."""
     check_config_table(config, str(config_path))
@@ -138,16 +216,106 @@ def effective_tide(config_path: Path, config: dict, overrides: dict[str, str]) -
         if section != "tide":
             continue
         kind = types.get(name)
+        if kind is None and name.startswith("no_") and types.get(name[3:]) in (bool, "bool"):
+            table[name[3:]] = not parse_bool(f"tide.{name}", value)
+            continue
         if kind in (int, "int"):
             try:
                 table[name] = int(value)
             except ValueError:
                 raise LaunchError(f"--tide.{name} {value!r} must be an integer") from None
         elif kind in (bool, "bool"):
-            table[name] = value.lower() in ("1", "true", "yes")
+            table[name] = parse_bool(f"tide.{name}", value)
         else:
             table[name] = value
     return validate_tide_table(table)
+
+
+# (section.key, smallest accepted value, what the key means): checked by check_run_values.
+POSITIVE_INTS = (
+    ("training.steps", 1, "training steps"),
+    ("training.seq_len", 1, "tokens per sample"),
+    ("training.local_batch_size", 1, "samples per rank and micro-batch"),
+    ("lr_scheduler.warmup_steps", 0, "warm-up steps"),
+    ("metrics.log_freq", 1, "steps between logged metrics"),
+    ("checkpoint.interval", 1, "steps between checkpoints"),
+)
+POSITIVE_FLOATS = (
+    ("training.max_norm", "the gradient-norm clip; 0 would zero every gradient"),
+    ("optimizer.lr", "learning rate"),
+)
+
+
+def _setting(table: dict, values: dict[str, str], key: str):
+    """``key`` ("section.name") from the overrides, else the TOML table, else None."""
+    if key in values:
+        return values[key]
+    section, _, name = key.partition(".")
+    return table.get(section, {}).get(name)
+
+
+def _as_number(key: str, raw, kind: type):
+    if isinstance(raw, bool):
+        raise LaunchError(f"--{key} {raw!r} must be a number")
+    try:
+        return kind(raw)
+    except (TypeError, ValueError):
+        word = "an integer" if kind is int else "a number"
+        raise LaunchError(f"--{key} {raw!r} must be {word}") from None
+
+
+def check_run_values(table: dict, values: dict[str, str], world: "World", tide: Tide) -> None:
+    """Sizes, steps and the parallel layout of the run (TOML ``table`` after the override
+    ``values``) checked against ``world`` before any process starts.
+
+    Raises:
+        LaunchError: naming the key, the bad value and the fix.
+    """
+    for key, minimum, meaning in POSITIVE_INTS:
+        raw = _setting(table, values, key)
+        if raw is not None and _as_number(key, raw, int) < minimum:
+            raise LaunchError(
+                f"--{key} {raw} ({meaning}) must be an integer >= {minimum}; "
+                f"set [{key.split('.')[0]}] {key.split('.')[1]} or --{key} to at least {minimum}"
+            )
+    for key, meaning in POSITIVE_FLOATS:
+        raw = _setting(table, values, key)
+        if raw is not None and not _as_number(key, raw, float) > 0:
+            raise LaunchError(f"--{key} {raw} must be > 0 ({meaning})")
+    degrees = parallel_degrees(table.get("parallelism", {}), values, world.size)
+    if any(degree < 1 for degree in degrees.values()):
+        raise LaunchError(
+            f"parallel degrees {degrees} on {world.size} ranks: each must be >= 1 "
+            "(data_parallel_shard_degree may be -1: the ranks the other degrees leave)"
+        )
+    product = 1
+    for degree in degrees.values():
+        product *= degree
+    if product != world.size:
+        raise LaunchError(
+            f"parallel degrees {degrees} multiply to {product}, not the world size {world.size}; "
+            "set --parallelism.data_parallel_shard_degree -1 or degrees whose product is "
+            f"{world.size} (world = NNODES x NGPU)"
+        )
+    local_batch = _setting(table, values, "training.local_batch_size")
+    global_batch = _setting(table, values, "training.global_batch_size")
+    if global_batch is not None and _as_number("training.global_batch_size", global_batch, int) > 0:
+        per_step = _as_number("training.local_batch_size", local_batch or 8, int) * (
+            degrees["dp_shard"] * degrees["dp_replicate"])
+        if int(global_batch) % per_step:
+            raise LaunchError(
+                f"--training.global_batch_size {global_batch} must be a multiple of "
+                f"local_batch_size x data-parallel degree = {per_step} (or -1: no accumulation)"
+            )
+    lws = tide.local_world_size
+    if tide.comm == "tide" and lws and degrees["dp_shard"] % lws:
+        group = degrees["dp_shard"]
+        divisors = [d for d in range(1, group + 1) if group % d == 0]
+        raise LaunchError(
+            f"--tide.local_world_size {lws} must divide the FSDP group size {group} "
+            f"(data-parallel shard degree on {world.size} ranks); use one of {divisors}, "
+            "or 0 to group ranks by host name"
+        )
 
 
 def _env_int(name: str, default: int) -> int:
@@ -232,7 +400,7 @@ def torchrun_command(world: World, config_path: Path, overrides: list[str]) -> l
     return cmd + ["--job.config_file", str(config_path), *overrides]
 
 
-def parallelism_line(par: dict, values: dict[str, str], world_size: int) -> str:
+def parallel_degrees(par: dict, values: dict[str, str], world_size: int) -> dict[str, int]:
     """Degrees after overrides; a dp_shard of -1 is resolved as TorchTitan does."""
     keys = (
         ("dp_shard", "data_parallel_shard_degree", -1),
@@ -242,12 +410,18 @@ def parallelism_line(par: dict, values: dict[str, str], world_size: int) -> str:
         ("cp", "context_parallel_degree", 1),
     )
     degrees = {
-        short: int(values.get(f"parallelism.{key}", par.get(key, default)))
+        short: _as_number(f"parallelism.{key}", values.get(f"parallelism.{key}", par.get(key, default)), int)
         for short, key, default in keys
     }
     if degrees["dp_shard"] == -1:
         others = degrees["dp_replicate"] * degrees["tp"] * degrees["pp"] * degrees["cp"]
-        degrees["dp_shard"] = world_size // others
+        degrees["dp_shard"] = world_size // others if others > 0 else 0
+    return degrees
+
+
+def parallelism_line(par: dict, values: dict[str, str], world_size: int) -> str:
+    """The degrees of :func:`parallel_degrees` as the summary prints them."""
+    degrees = parallel_degrees(par, values, world_size)
     return " ".join(f"{name} {degree}" for name, degree in degrees.items())
 
 
@@ -312,19 +486,36 @@ def summary(
         "parallelism " + parallelism_line(par, values, world.size),
         f"comm        {tide.comm} (fallback {tide.fallback})"
         + (f", options {tide.comm_options()}" if tide.comm == "tide" else ""),
+        *([tide_layout_line(tide, world)] if tide.comm == "tide" else []),
         *(f"comm env    {note}" for note in env_notes),
     ]
     return "\n".join("[run_train] " + line for line in lines)
 
 
+def tide_layout_line(tide: Tide, world: World) -> str:
+    """How TIDE will group the ranks into nodes, as the summary prints it."""
+    if tide.local_world_size:
+        nodes = world.size // tide.local_world_size
+        return (f"tide layout local_world_size {tide.local_world_size} (option): "
+                f"{nodes} node(s) x {tide.local_world_size} rank(s) as TIDE sees them")
+    return (f"tide layout local_world_size 0: grouped by host name at start "
+            f"(this launch: {world.nnodes} host(s) x {world.nproc_per_node} rank(s))")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(__doc__.strip())
+        return 0
     try:
         config_name, dry_run, overrides = split_args(argv)
+        overrides = normalize_bool_flags(overrides, bool_option_keys())
         config_path = resolve_config(config_name)
         world = detect_world()
         table = load_toml(str(config_path))
-        tide = effective_tide(config_path, table, override_values(overrides))
+        values = override_values(overrides)
+        tide = effective_tide(config_path, table, values)
+        check_run_values(table, values, world, tide)
         env_updates, env_notes = comm_env(tide.comm, os.environ)
         text = summary(config_path, world, overrides, table=table, tide=tide, env_notes=env_notes)
         print(text, flush=True)
@@ -337,6 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd = torchrun_command(world, config_path, overrides)
     print("[run_train] " + shlex.join(cmd), flush=True)
     if dry_run:
+        print("[run_train] dry run: nothing started (drop --dry-run to train)", flush=True)
         return 0
     env = dict(os.environ)
     if world.device == "cpu":

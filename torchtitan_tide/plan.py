@@ -1,14 +1,16 @@
 """Memory planner: AG/RS buffer bytes per comm mode for a training TOML, any GPU count.
 
     python -m torchtitan_tide.plan --config NAME.toml --gpus 64 [--local-world-size 8]
-        [--rs-rows 2] [--rs-inflight 2] [--no-slot-reuse] [--json out.json]
+        [--rs-rows 2] [--rs-inflight 2] [--no-slot-reuse] [--formulas] [--json out.json]
 
 Builds the TOML's model (``[model] name/flavor`` from TorchTitan's train spec registry)
 on the meta device, groups its parameters as TorchTitan's ``apply_fsdp`` would (nothing
 distributed is applied), takes the FSDP shard degree from ``--gpus`` and
 ``[parallelism]`` and the dtypes from ``[training]``, and prints
-:func:`torchtitan_tide.comm.memory_plan.plan_memory` for every mode as a table (GiB).
-``--json`` also writes everything, in bytes.
+:func:`torchtitan_tide.comm.memory_plan.plan_memory` for every mode as a table (GiB);
+the row ``tide, reduce_scatter="fsdp2"`` is the plan's ``tide_ag`` mode (TIDE-AG with
+FSDP2's reduce-scatter). ``--formulas`` adds how each figure is computed; ``--json`` also
+writes everything, in bytes (modes under the plan's keys).
 """
 
 from __future__ import annotations
@@ -366,6 +368,16 @@ def local_world_size_of(tide: Tide, flag: int | None) -> tuple[int, str]:
     return DEFAULT_LOCAL_WORLD_SIZE, f"default {DEFAULT_LOCAL_WORLD_SIZE}"
 
 
+# How the table names the memory plan's modes: `tide_ag` is comm = "tide" with FSDP2's
+# reduce-scatter, i.e. the [tide] setting that selects it.
+MODE_LABELS = {"tide_ag": 'tide, reduce_scatter="fsdp2"'}
+
+
+def mode_label(mode: str) -> str:
+    """The printed name of memory-plan mode ``mode`` (:data:`MODE_LABELS`)."""
+    return MODE_LABELS.get(mode, mode)
+
+
 def selected_mode(tide: Tide) -> str:
     """The planner's mode name for a ``[tide]`` section (``tide_ag``: TIDE-AG with
     FSDP2's reduce-scatter)."""
@@ -434,13 +446,14 @@ def plan_report(
     }
 
 
-def format_report(report: dict[str, Any]) -> str:
-    """The human-readable plan: header, groups, a GiB table per mode, parts, formulas."""
+def format_report(report: dict[str, Any], formulas: bool = False) -> str:
+    """The human-readable plan: header, groups, a GiB table per mode, parts, notes; the
+    formulas behind each figure with ``formulas``."""
     model, world, dt = report["model"], report["world"], report["dtypes"]
     lines = [
         (
             f"Memory plan: {report['config']} (model {model['name']} / {model['flavor']}, "
-            f"{model['params']:,} params; this config runs mode {report['selected_comm']!r})"
+            f"{model['params']:,} params; this config runs {mode_label(report['selected_comm'])})"
         ),
         f"World: {world['gpus']} GPUs, FSDP shard degree W = {world['fsdp_shard_degree']} "
         f"= {world['nodes']} node(s) x {world['local_ranks_per_node']} (N x L)"
@@ -472,7 +485,7 @@ def format_report(report: dict[str, Any]) -> str:
     rows = []
     for mode, plan in report["modes"].items():
         rows.append(
-            [mode]
+            [mode_label(mode)]
             + [
                 _gib(plan[k])
                 for k in (
@@ -492,20 +505,23 @@ def format_report(report: dict[str, Any]) -> str:
         "",
         "tide parts, GiB: " + ", ".join(f"{k} {_gib(v)}" for k, v in tide["parts"].items()),
     ]
-    lines += [
-        "",
-        (
-            "Formulas (s_p = ceil(shape[0]/W)*prod(shape[1:]), S_g = sum_p s_p, "
-            "A = max_g sum_p round16(s_p*b_ag), slot(x) = round128(max(x, 16))):"
-        ),
-    ]
-    for mode in MODES:
-        for key, text in FORMULAS[mode].items():
-            lines.append(f"  {mode} {key}: {text}")
+    if formulas:
+        lines += [
+            "",
+            (
+                "Formulas (s_p = ceil(shape[0]/W)*prod(shape[1:]), S_g = sum_p s_p, "
+                "A = max_g sum_p round16(s_p*b_ag), slot(x) = round128(max(x, 16))):"
+            ),
+        ]
+        for mode in MODES:
+            for key, text in FORMULAS[mode].items():
+                lines.append(f"  {mode_label(mode)} {key}: {text}")
     lines.append("Notes:")
     for mode, plan in report["modes"].items():
-        lines += [f"  {mode}: {note}" for note in plan["notes"]]
+        lines += [f"  {mode_label(mode)}: {note}" for note in plan["notes"]]
     lines.append(f"  not counted: {report['not_counted']}")
+    if not formulas:
+        lines.append("How each figure is computed: add --formulas.")
     return "\n".join(lines)
 
 
@@ -573,6 +589,9 @@ def _parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         help="TIDE-RS stages in the TIDE-AG slots (default: [tide] slot_reuse)",
     )
+    parser.add_argument(
+        "--formulas", action="store_true", help="also print how each figure is computed"
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the plan as JSON (bytes)")
     return parser
 
@@ -597,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         report["world"]["local_world_size_from"] = source
     except (ValueError, FileNotFoundError) as exc:  # PlanError, TideConfigError
         parser.error(str(exc))
-    print(format_report(report))
+    print(format_report(report, formulas=args.formulas))
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)

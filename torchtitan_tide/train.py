@@ -22,7 +22,13 @@ import torch
 
 from torchtitan_tide.config import load_toml
 from torchtitan_tide.device import use_cpu_device, wants_cpu
-from torchtitan_tide.launch import comm_env, effective_tide, override_values
+from torchtitan_tide.launch import (
+    comm_env,
+    effective_tide,
+    normalize_bool_flags,
+    override_values,
+    tide_bool_keys,
+)
 
 
 def config_file_from_args(args: list[str]) -> str | None:
@@ -95,14 +101,19 @@ def prepare(args: list[str]) -> tuple[str, list[str]]:
 
 
 def main() -> None:
+    # `--tide.slot_reuse false` -> `--tide.no_slot_reuse` (the form tyro takes), before
+    # torchtitan.config is imported: its parse_args binds sys.argv[1:] as a default then.
+    sys.argv[1:] = normalize_bool_flags(sys.argv[1:], tide_bool_keys())
     device_type, env_notes = prepare(sys.argv[1:])
     from torchtitan.tools.logging import init_logger, logger
     from torchtitan.train import Trainer
     from torchtitan.train import main as titan_main
 
+    from torchtitan_tide.log_noise import install_noise_filters
     from torchtitan_tide.train_specs import nccl_version_string
 
     init_logger()
+    install_noise_filters(device_type)
     logger.info(
         f"torchtitan-tide: device {device_type}, torch {torch.__version__}, "
         f"{nccl_version_string()}, W&B mode {os.environ['WANDB_MODE']}"

@@ -453,6 +453,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     )
                     continue
                 records = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+                records = [r for r in records if "step" in r]  # not the run header
                 summary = summarize_run(records, args.warmup, PROFILED_STEPS if profiled else 0)
                 if profiled:
                     try:

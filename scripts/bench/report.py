@@ -14,7 +14,10 @@ dir) with the date, machine and commit of the newest measured result: metadata, 
 headline table of every result's headline figures by comm mode with ratios to
 ``fsdp2``, each result's own tables with its PNG embedded, projections (JSONs of kind
 ``projection``, shown generically and labeled as model estimates, not measurements),
-and the list of sources. Also ``<stem>_report.png``: the headline ratios per mode.
+and the list of sources. Also ``<stem>_report.png``, the headline figure: training step
+time per comm mode, one panel per step result, with the speed-up vs ``fsdp2`` on each bar
+and the compute floor of the config as a dashed line where one is known
+(:func:`step_floor`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,22 @@ KIND_TITLES = {
     "projection": "Projection",
 }
 KIND_ORDER = ("step", "collectives", "interference", "ag")
+# Titles of the step configs in the headline figure.
+CONFIG_TITLES = {
+    "h200x2_llama70b_4layers": "Llama-3.1-70B, 4 layers",
+    "h200x2_qwen3_30b_a3b_4layers": "Qwen3-30B-A3B, 4 layers",
+    "h200x2_wan22_a14b_20layers": "Wan2.2-A14B, 20 layers",
+}
+STEP_METRIC = "step ms (best round)"
+# Compute floors (ms) used only when neither the step JSON rows (`floor_ms`) nor a
+# `*_floor_<config>.json` result (top-level `floor_ms`) has one. Source: measured on one
+# H200 on 2026-12-01 (bf16 model fwd+bwd on one rank's 8192 tokens, fused AdamW on half the
+# params, grad clip; no communication); a range where repeated runs differed.
+MEASURED_FLOORS_2026_12_01 = {
+    "h200x2_llama70b_4layers": (426.5, 428.8),
+    "h200x2_qwen3_30b_a3b_4layers": (129.3, 129.3),
+}
+MEASURED_FLOORS_SOURCE = "1 H200, 2026-12-01: fwd+bwd + AdamW, no comm"
 # bench_ag's variant names -> comm modes, for its legacy headline.
 AG_VARIANT_MODES = {"stock": "fsdp2", "tide_auto": "tide", "tide_nccl_p2p_2x1": "tide_nccl_p2p"}
 
@@ -224,19 +243,121 @@ def headline_table(rows: Sequence[Mapping[str, Any]]) -> tuple[str, list[str]]:
     return common.format_markdown_table(table_rows, cols), others
 
 
-def ratio_charts(rows: Sequence[Mapping[str, Any]]) -> list[common.BarChart]:
-    """One chart per non-fsdp2 mode: its headline values divided by fsdp2's."""
-    charts = []
-    for mode in [m for m in mode_columns(rows) if m != "fsdp2"]:
-        labels, values = [], []
-        for row in rows:
-            base, v = row["values"].get("fsdp2"), row["values"].get(mode)
-            if v is not None and base:
-                labels.append(f"{row['benchmark']}: {row['metric']}")
-                values.append(v / base)
-        if labels:
-            charts.append(common.BarChart(f"{mode} / fsdp2", labels, values, "ratio"))
-    return charts
+@dataclass(frozen=True)
+class Floor:
+    """A config's compute floor: ``low``..``high`` ms (equal for one figure), and where
+    the figure comes from."""
+
+    low: float
+    high: float
+    source: str
+
+
+def step_config(r: Result) -> str:
+    """The train config a step result measured (``args.config``, else from its name)."""
+    return str((r.data.get("args") or {}).get("config") or r.name.removeprefix("step_"))
+
+
+def step_floor(r: Result) -> Floor | None:
+    """The compute floor of step result ``r``'s config: ``floor_ms`` of its rows, else of
+    the newest ``*_floor_<config>.json`` beside it, else the 2026-12-01 measurements
+    (``MEASURED_FLOORS_2026_12_01``); None where none is known."""
+    config = step_config(r)
+    in_rows = [row["floor_ms"] for row in r.data.get("rows", []) if row.get("floor_ms")]
+    if in_rows:
+        return Floor(min(in_rows), max(in_rows), f"{r.path.name} rows")
+    files = sorted(r.path.parent.glob(f"*_floor_{config}.json"))
+    for path in reversed(files):
+        try:
+            floor = json.loads(path.read_text()).get("floor_ms")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if floor:
+            return Floor(float(floor), float(floor), path.name)
+    if config in MEASURED_FLOORS_2026_12_01:
+        low, high = MEASURED_FLOORS_2026_12_01[config]
+        return Floor(low, high, MEASURED_FLOORS_SOURCE)
+    return None
+
+
+def step_panels(results: Sequence[Result]) -> list[dict[str, Any]]:
+    """One panel of the headline figure per step result: ``{"title", "modes", "ms",
+    "floor"}``, step ms per mode from its headline (best round), ``fsdp2`` first."""
+    steps = [r for r in results if r.kind == "step"]
+    counts: dict[str, int] = {}
+    for r in steps:
+        counts[step_config(r)] = counts.get(step_config(r), 0) + 1
+    panels = []
+    for r in sorted(steps, key=lambda r: (step_config(r), r.date)):
+        row = next((h for h in headline_rows(r) if h["metric"] == STEP_METRIC), None)
+        if row is None:
+            continue
+        values = {m: v for m, v in row["values"].items() if v is not None}
+        modes = [m for m in mode_columns([row]) if m in values]
+        config = step_config(r)
+        title = CONFIG_TITLES.get(config, config)
+        if counts[config] > 1:
+            title += f" @{r.meta.get('commit')}"
+        panels.append({"title": title, "modes": modes, "ms": [values[m] for m in modes],
+                       "floor": step_floor(r)})  # fmt: skip
+    return panels
+
+
+MODE_COLORS = {"fsdp2": "#7f7f7f", "symm_mem": "#1f77b4", "tide": "#d62728"}
+
+
+def write_step_figure(path: Path, panels: Sequence[Mapping[str, Any]], title: str) -> bool:
+    """The headline PNG: a panel per step result (own y axis: step times differ 20x between
+    configs), a bar per mode labelled with its ms and, except fsdp2, ``speed-up x`` vs
+    fsdp2; the compute floor as a dashed line (a band for a range). False without
+    matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        print(f"WARNING: matplotlib not available ({e}); skipping {path}", flush=True)
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels) + 0.6, 4.6),
+                             squeeze=False)  # fmt: skip
+    for ax, panel in zip(axes[0], panels):
+        modes, ms = panel["modes"], panel["ms"]
+        base = ms[modes.index("fsdp2")] if "fsdp2" in modes else None
+        colors = [MODE_COLORS.get(m.split("+")[0], "#ff7f0e") if "+" not in m else "#f4a582"
+                  for m in modes]  # fmt: skip
+        bars = ax.bar(range(len(modes)), ms, color=colors, width=0.7)
+        top = max(ms) * 1.28
+        for bar, mode, value in zip(bars, modes, ms):
+            x = bar.get_x() + bar.get_width() / 2
+            ax.text(x, value + top * 0.01, f"{value:.0f} ms", ha="center", va="bottom", fontsize=8)
+            if base and mode != "fsdp2":
+                ax.text(x, value * 0.5, f"{base / value:.3f}x", ha="center", va="center",
+                        fontsize=10, fontweight="bold", color="white", rotation=90)  # fmt: skip
+        if floor := panel.get("floor"):
+            if floor.high > floor.low:
+                ax.axhspan(floor.low, floor.high, color="black", alpha=0.25, lw=0)
+                label = f"compute floor {floor.low:.0f}-{floor.high:.0f} ms"
+            else:
+                label = f"compute floor {floor.low:.0f} ms"
+            ax.axhline(floor.low, color="black", ls="--", lw=1)
+            ax.text(-0.45, top * 0.995, f"- - {label}\n({floor.source})", ha="left", va="top",
+                    fontsize=7, color="#222222")  # fmt: skip
+        else:
+            ax.text(-0.45, top * 0.995, "compute floor not measured", ha="left", va="top",
+                    fontsize=7, color="#222222")  # fmt: skip
+        ax.set_xticks(range(len(modes)))
+        ax.set_xticklabels([m.replace("+", "\n+") for m in modes], fontsize=8)
+        ax.set_ylim(0, top)
+        ax.set_title(panel["title"], fontsize=9)
+        ax.spines[["top", "right"]].set_visible(False)
+    axes[0][0].set_ylabel("step time, ms (lower is better)")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 def _meta_line(meta: Mapping[str, Any]) -> str:
@@ -300,15 +421,26 @@ def render(results: Sequence[Result], out_dir: Path, report_png: Path | None) ->
             "",
         ]
         if report_png is not None:
-            lines += [f"![headline ratios]({os.path.relpath(report_png, out_dir)})", ""]
+            lines += [
+                f"![headline: step time per mode]({os.path.relpath(report_png, out_dir)})",
+                "",
+                (
+                    "Step time per comm mode and config (best round; speed-up vs fsdp2 on the "
+                    "bars; dashed: the config's compute floor where measured, with its source)."
+                ),
+                "",
+            ]
     else:
         lines += ["No headline figures in the selected results.", ""]
+    name_counts: dict[tuple[str, str], int] = {}
+    for r in measured:
+        name_counts[(r.kind, r.name)] = name_counts.get((r.kind, r.name), 0) + 1
     for r in measured:
         title = KIND_TITLES.get(r.kind, r.kind)
-        source = (
-            f"Source `{r.path.name}`: {_meta_line(r.meta)}, status {r.data.get('status', '-')}."
-        )
-        lines += [f"## {title}: `{r.name}`", "", source, ""]
+        status = f", status {r.data['status']}" if r.data.get("status") else ""
+        source = f"Source `{r.path.name}`: {_meta_line(r.meta)}{status}."
+        twin = f" @{r.meta.get('commit')}" if name_counts[(r.kind, r.name)] > 1 else ""
+        lines += [f"## {title}: `{r.name}`{twin}", "", source, ""]
         for table in detail_tables(r):
             lines += [f"### {table['title']}", ""]
             lines += [
@@ -342,7 +474,7 @@ def render(results: Sequence[Result], out_dir: Path, report_png: Path | None) ->
     sources = [
         {
             "file": r.path.name,
-            "kind": r.kind + (" (projection)" if r.kind == "projection" else ""),
+            "kind": r.kind + (" (model estimate)" if r.kind == "projection" else ""),
             "machine": r.meta.get("machine"),
             "world": r.meta.get("world_size"),
             "torch": r.meta.get("torch"),
@@ -365,11 +497,11 @@ def write_report(results: Sequence[Result], out_dir: Path) -> Path:
     meta = {"date": newest.date or "unknown", "machine": newest.meta.get("machine", "unknown"),
             "commit": newest.meta.get("commit", "unknown")}  # fmt: skip
     stem = common.result_stem(out_dir, "report", meta)
-    heads = all_headline_rows(measured)
     png = Path(str(stem) + ".png")
-    charts = ratio_charts(heads)
-    wrote_png = bool(charts) and common.write_bar_png(
-        png, charts, f"{meta['machine']}, commit {meta['commit']}: mode / fsdp2"
+    panels = step_panels(measured)
+    wrote_png = bool(panels) and write_step_figure(
+        png, panels, f"Training step time per comm mode, {meta['machine']} "
+        "(lower is better; speed-up vs fsdp2 on the bars)"
     )
     text = render(results, out_dir, png if wrote_png else None)
     md = Path(str(stem) + ".md")

@@ -340,7 +340,7 @@ def test_report_from_results_dir(tmp_path):
         assert (out / "2026-12-01_nvidia-h200-x-2_abc1234_report.png").read_bytes()[:4] == (
             b"\x89PNG"
         )
-        assert "![headline ratios](2026-12-01_nvidia-h200-x-2_abc1234_report.png)" in text
+        assert "![headline: step time per mode](2026-12-01_nvidia-h200-x-2_abc1234_report.png)" in text
 
 
 def test_report_given_files_and_empty(tmp_path, capsys):
@@ -483,3 +483,39 @@ def test_results_json_is_self_describing():
         assert h["better"] in ("lower", "higher")
     with pytest.raises(ValueError):
         common.headline_row("b", "m", {}, better="sideways")
+
+
+def test_report_step_floors_and_headings(tmp_path):
+    """Floors: the step rows' floor_ms, else the newest *_floor_<config>.json, else the
+    documented 2026-12-01 table; twin results get their commit in the heading; no empty
+    status."""
+    out = _results_dir(tmp_path)
+    step = next(r for f in sorted(out.glob("*_step_h200x2_llama70b_4layers.json"))
+                if (r := report.load_result(f)) is not None)
+    assert report.step_floor(step) == report.Floor(426.5, 428.8, report.MEASURED_FLOORS_SOURCE)
+    (out / "2026-12-01_h200_aaa_floor_h200x2_llama70b_4layers.json").write_text('{"floor_ms": 430.0}')
+    (out / "2026-12-02_h200_bbb_floor_h200x2_llama70b_4layers.json").write_text('{"floor_ms": 431.5}')
+    floor = report.step_floor(step)
+    assert (floor.low, floor.source) == (431.5, "2026-12-02_h200_bbb_floor_h200x2_llama70b_4layers.json")
+    data = json.loads(step.path.read_text())
+    data["rows"][0]["floor_ms"] = 425.0
+    with_rows = report.Result(step.path, data, "step", step.name)
+    assert report.step_floor(with_rows).low == 425.0
+    wan = report.Result(step.path, {"args": {"config": "h200x2_wan22_a14b_20layers"}}, "step",
+                        "step_h200x2_wan22_a14b_20layers")
+    assert report.step_floor(wan) is None
+    (panel,) = report.step_panels([step])
+    assert panel["modes"][0] == "fsdp2" and panel["title"] == "Llama-3.1-70B, 4 layers"
+    assert panel["ms"][panel["modes"].index("tide")] == 470.2
+
+    legacy = out / "2026-11-30_nvidia-h200-x-2_7334fb3_step_h200x2_qwen3_30b_a3b_4layers.json"
+    old = json.loads(legacy.read_text())
+    old["metadata"]["commit"] = "0ld0000"
+    twin = out / "2026-11-29_nvidia-h200-x-2_0ld0000_step_h200x2_qwen3_30b_a3b_4layers.json"
+    twin.write_text(json.dumps(old))
+    assert report.main([str(legacy), str(twin), "--out-dir", str(tmp_path / "both")]) == 0
+    (md,) = (tmp_path / "both").glob("*_report.md")
+    headings = [line for line in md.read_text().splitlines() if line.startswith("## ")]
+    assert len(headings) == len(set(headings)), headings
+    assert "## Training step: `step_h200x2_qwen3_30b_a3b_4layers` @0ld0000" in headings
+    assert "status -" not in md.read_text()

@@ -150,8 +150,12 @@ def _run_cli(capsys, *argv: str) -> str:
 def test_cli_debug_model(capsys, tmp_path):
     out_json = tmp_path / "plan.json"
     out = _run_cli(capsys, "--config", "debug_model.toml", "--gpus", "2", "--json", str(out_json))
-    for row in ("| mode", "| fsdp2", "| symm_mem", "| tide ", "| tide_ag"):
+    for row in ("| mode", "| fsdp2", "| symm_mem", "| tide ", '| tide, reduce_scatter="fsdp2"'):
         assert row in out
+    assert "tide_ag" not in out and "Formulas" not in out
+    assert "How each figure is computed: add --formulas." in out
+    with_formulas = _run_cli(capsys, "--config", "debug_model.toml", "--gpus", "2", "--formulas")
+    assert 'tide, reduce_scatter="fsdp2" rs: as fsdp2' in with_formulas
     assert "FSDP groups as TorchTitan 0.2.2 llama3/llama4 apply_fsdp" in out
     report = json.loads(out_json.read_text())
     assert report["dtypes"]["ag_bytes"] == 4  # float32 params in the debug config

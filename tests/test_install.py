@@ -1,0 +1,78 @@
+"""scripts/install.sh --dry-run: which torch it asks pip for, with a faked GPU / torch.
+
+No network: the dry run prints the pip commands and runs none."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_INDEX = "--index-url https://download.pytorch.org/whl/cpu"
+
+
+def fake_env(tmp_path: Path, torch_version: str | None, gpu: bool) -> dict[str, str]:
+    """PATH whose first entry has a fake ``nvidia-smi`` (lists a GPU or fails) and a
+    ``python`` that imports a fake ``torch`` of ``torch_version`` (None: import fails)."""
+    bin_dir, site = tmp_path / "bin", tmp_path / "site" / "torch"
+    bin_dir.mkdir()
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text(
+        f"__version__ = {torch_version!r}\n" if torch_version
+        else "raise ImportError('no torch here')\n")
+    smi = "echo 'GPU 0: NVIDIA H200 (UUID: GPU-0)'" if gpu else "echo 'NVIDIA-SMI has failed' >&2; exit 9"
+    (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\n{smi}\n")
+    (bin_dir / "python").write_text(
+        f"#!/bin/sh\nPYTHONPATH={site.parent} exec {sys.executable} \"$@\"\n")
+    for tool in ("nvidia-smi", "python"):
+        (bin_dir / tool).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIDE_", "PYTHON"))}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", PYTHON=str(bin_dir / "python"))
+    return env
+
+
+def dry_run(env: dict[str, str], *args: str) -> list[str]:
+    result = subprocess.run(["bash", str(REPO / "scripts" / "install.sh"), "--dry-run", *args],
+                            capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[-1] == "[install] dry run: nothing was installed"
+    return lines
+
+
+def pip_commands(lines: list[str]) -> list[str]:
+    return [line.split(" -m pip install -q ", 1)[1] for line in lines if " -m pip install " in line]
+
+
+@pytest.mark.parametrize("torch_version", [None, "2.10.0+cu128"])
+def test_cpu_build_where_no_gpu(tmp_path, torch_version):
+    lines = dry_run(fake_env(tmp_path, torch_version, gpu=False), "--dev")
+    commands = pip_commands(lines)
+    assert commands[0] == "torch==2.13.0+cpu"  # configured sources first (find-links, mirrors)
+    assert commands[1] == f"{CPU_INDEX} torch==2.13.0+cpu"  # then PyTorch's CPU index
+    assert commands[2].startswith("-c ") and commands[2].endswith(f"{REPO}[dev]")
+    assert "with torch==2.13.0+cpu" in "\n".join(lines)  # pip install -e is pinned to it
+    assert not any(c.startswith(("torch==2.13.0 ", "torch>=")) for c in commands)
+
+
+def test_gpu_machine_gets_the_default_cuda_build(tmp_path):
+    commands = pip_commands(dry_run(fake_env(tmp_path, None, gpu=True)))
+    assert commands[0] == "torch>=2.11,<2.14"
+    assert not any("+cpu" in c or "download.pytorch.org" in c for c in commands)
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_fitting_torch_is_kept(tmp_path, gpu):
+    lines = dry_run(fake_env(tmp_path, "2.11.0+cu130", gpu=gpu))
+    assert "[install] keeping the installed torch 2.11.0+cu130 (fits [2.11, 2.14))" in lines
+    commands = pip_commands(lines)
+    assert len(commands) == 1 and commands[0].startswith("-c "), commands
+    assert "with torch==2.11.0+cu130" in "\n".join(lines)
+
+
+def test_unknown_argument_is_an_error():
+    result = subprocess.run(["bash", str(REPO / "scripts" / "install.sh"), "--gpu"],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2 and "unknown argument '--gpu'" in result.stderr
