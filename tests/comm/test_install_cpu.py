@@ -87,20 +87,25 @@ def _cases(rank: int, world: int) -> None:
         topology.choose_transport = real_choose
     assert fsdp_patch.installed_refcount() == 0 and not hasattr(model, "_tide_comm_mode")
 
-    # 2. A failure in the collective set-up on rank 0 only: every rank raises, and
-    # nothing stays marked (the groups take FSDP2's path; a retry works).
-    real_create = install._create_slots
+    # 2. A failure in the local allocation on rank 1, then in the collective set-up on
+    # rank 0 only: every rank raises naming the phase and the rank, and nothing stays
+    # marked (the groups take FSDP2's path; a retry works).
+    for phase, failing_rank, name in (("allocation", 1, "_allocate_slots"),
+                                      ("set-up", 0, "_connect_slots")):  # fmt: skip
+        real = getattr(install, name)
 
-    def create_fails(*args, **kwargs):
-        raise RuntimeError("injected set-up failure")
+        def fails(*args, **kwargs):
+            raise RuntimeError(f"injected {phase} failure")
 
-    if rank == 0:
-        install._create_slots = create_fails
-    try:
-        with pytest.raises(TideInstallError, match="set-up on rank 0: RuntimeError: injected"):
-            comm.apply(model, "tide")
-    finally:
-        install._create_slots = real_create
+        if rank == failing_rank:
+            setattr(install, name, fails)
+        try:
+            with pytest.raises(
+                TideInstallError, match=f"{phase} on rank {failing_rank}: RuntimeError: injected"
+            ):
+                comm.apply(model, "tide")
+        finally:
+            setattr(install, name, real)
     assert fsdp_patch.installed_refcount() == 0
     assert not any(hasattr(g, "_tide_ag_state") for _, g in fsdp_internals.fsdp_param_groups(model))
     comm.apply(model, "tide")
@@ -133,7 +138,8 @@ def _cases(rank: int, world: int) -> None:
             if hasattr(m, "set_custom_all_gather"):
                 m.set_custom_all_gather(UserAllGather())
         comm.apply(custom, "tide")
-        assert records.grep("FSDP2 path (all-gather comm UserAllGather set on this group)")
+        if rank == 0:  # other ranks say it at debug level
+            assert records.grep("FSDP2 path (all-gather comm UserAllGather set on this group)")
         assert fsdp_patch.installed_refcount() == 0
         comm.remove(custom)
     finally:
@@ -192,7 +198,8 @@ def _cases(rank: int, world: int) -> None:
     torch.manual_seed(0)
     rep = replicate(nn.Linear(8, 8))
     comm.apply(rep, "tide")
-    assert records.grep("FSDP2 path (replicate-only mesh: nothing to all-gather)")
+    if rank == 0:
+        assert records.grep("FSDP2 path (replicate-only mesh: nothing to all-gather)")
     comm.remove(rep)
 
 

@@ -1,11 +1,12 @@
 """Node-local groups of FSDP sub-groups on 2 nodes x 8 GPUs (pure: torch.distributed faked).
 
 With TP the FSDP group of a rank is strided across the world (TorchTitan's dense mesh is
-``(dp, tp)``, tp innermost). TIDE splits it into node-local groups with
-``dist.split_group``, whose ``split_ranks`` are ranks WITHIN the parent group (torch's
-docstring), not global ranks. These tests give ``topology.make_node_local_group`` a fake
-16-rank world and check the ``split_ranks`` torch receives (``test_topology`` checks the
-pure rank mapping; this checks the call that uses it).
+``(dp, tp)``, tp innermost). TIDE makes the node-local group of its node with
+``dist.new_group(ranks, use_local_synchronization=True)``: the GLOBAL ranks of the group's
+ranks on this node, called by those ranks only (``dist.split_group`` would need a device
+bound to the default group, which TorchTitan does not bind). These tests give
+``topology.make_node_local_group`` a fake 16-rank world and check the ranks torch receives
+(``test_topology`` checks the pure rank mapping; this checks the call that uses it).
 """
 
 from __future__ import annotations
@@ -41,24 +42,28 @@ def fsdp_group_ranks(tp: int, me: int) -> list[int]:
 
 @pytest.mark.parametrize("tp", [2, 8])
 @pytest.mark.parametrize("me", [0, 1, 7, 8, 15])
-def test_node_group_split_ranks_are_parent_group_ranks(monkeypatch, tp, me):
+def test_node_group_is_made_by_the_node_from_its_global_ranks(monkeypatch, tp, me):
     ranks = fsdp_group_ranks(tp, me)
     group = FakeGroup(ranks, me)
     nodes = [f"node{r // GPUS}" for r in ranks]
     lws, _ = topology.resolve_local_world_size(TideOptions(), nodes)
     assert lws == GPUS // tp  # consecutive group ranks share a host
     layout = WorldLayout(len(ranks), lws)
-    calls: list[list[list[int]]] = []
+    calls: list[tuple[list[int], bool]] = []
 
-    def split_group(parent_pg=None, split_ranks=None, **kwargs):
-        assert parent_pg is group
-        calls.append(split_ranks)
+    def new_group(ranks=None, use_local_synchronization=False, **kwargs):
+        calls.append((ranks, use_local_synchronization))
         return object()
 
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: NODES * GPUS)
+    def split_group(*args, **kwargs):
+        raise AssertionError("split_group needs a bound device; TorchTitan binds none")
+
+    monkeypatch.setattr(dist, "new_group", new_group)
     monkeypatch.setattr(dist, "split_group", split_group)
     node_group = topology.make_node_local_group(group, layout, ranks)
     assert node_group is not None, "no node-local group for a strided FSDP group"
-    assert len(calls) == 1, "split_group must be called once, by every rank of the group"
-    expected = [list(range(m * lws, (m + 1) * lws)) for m in range(NODES)]
-    assert calls[0] == expected, f"split_ranks {calls[0]} must be group ranks {expected}"
+    assert len(calls) == 1, "one new_group per rank: its own node's"
+    node = group.rank() // lws
+    expected = [ranks[r] for r in range(node * lws, (node + 1) * lws)]  # global ranks
+    assert calls[0] == (expected, True), f"new_group got {calls[0]}, expected {expected}"
+    assert {r // GPUS for r in expected} == {me // GPUS}  # all on this rank's node

@@ -346,6 +346,19 @@ def _hsdp_worker(rank: int, world: int) -> None:
         err = (local.double() - ref).abs()
         assert (err <= bound + 1e-30).all(), (name, err.max().item())
     assert state.calls == 2 and state.group.size() == shards
+    # A reduce that must take FSDP2's path while TIDE's partial sum is pending raises
+    # (FSDP2 scales partial sums differently): never a silently mis-scaled gradient.
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    class UserReduceScatter(DefaultReduceScatter):
+        pass
+
+    model.set_requires_all_reduce(False)
+    _reduce(model, _random_grads(model, torch.bfloat16, gen))
+    assert state.partial_from_tide
+    model.set_custom_reduce_scatter(UserReduceScatter())
+    with pytest.raises(RuntimeError, match="partial sum of microbatches without all-reduce"):
+        _reduce(model, _random_grads(model, torch.bfloat16, gen))
     comm.remove(model)
     tide_rs.set_poison(None)
 

@@ -69,13 +69,18 @@ def _module_groups(module: FSDPModule) -> list:
 
 
 def fsdp_param_groups(model: nn.Module) -> list[tuple[str, object]]:
-    """``(module fqn, FSDPParamGroup)`` for every FSDP module of ``model`` that has
-    parameters, in module order (identical on every rank of an SPMD program)."""
-    out = []
+    """``(module fqn, FSDPParamGroup)`` for every param group of ``model``'s FSDP
+    modules, each group once, in module order (identical on every rank of an SPMD
+    program). A group of several modules (``fully_shard([model.norm, model.output])``,
+    as TorchTitan shards its last layers) is named ``"norm+output"``."""
+    names: dict[int, list[str]] = {}
+    groups: dict[int, object] = {}
     for name, module in model.named_modules():
         if isinstance(module, FSDPModule):
-            out.extend((name or "<root>", g) for g in _module_groups(module))
-    return out
+            for g in _module_groups(module):
+                names.setdefault(id(g), []).append(name or "<root>")
+                groups.setdefault(id(g), g)
+    return [("+".join(names[key]), g) for key, g in groups.items()]
 
 
 def fsdp_modules_without_groups(model: nn.Module) -> int:
@@ -164,13 +169,14 @@ def shard_bytes(param_group, which: str, align: int = 1) -> int:
     """Bytes of one rank's shards of a group, each parameter rounded up to
     ``align`` bytes. ``which="param"``: in the all-gather dtype, which is also
     the gradient dtype (FSDP2 computes gradients in ``param_dtype``).
-    ``"reduce"``: in the reduce dtype, in which FSDP accumulates unsynced
-    gradients (the sharded dtype when no reduce dtype is set)."""
+    ``"reduce"``: in the dtype FSDP accumulates unsynced gradients in: the reduce
+    dtype, or the gradient dtype when FSDP's reduce dtype resolves to None (unset or
+    equal to ``param_dtype``: ``FSDPParam.to_accumulated_grad_if_needed`` keeps them)."""
     total = 0
     for fp in param_group.fsdp_params:
         dtype = ag_dtype(fp, param_group.mp_policy)
         if which == "reduce":
-            dtype = param_group.mp_policy.reduce_dtype or fp._sharded_param_data.dtype
+            dtype = param_group.mp_policy.reduce_dtype or dtype
         nbytes = fp._sharded_param_data.numel() * dtype.itemsize
         total += -(-nbytes // align) * align
     return total

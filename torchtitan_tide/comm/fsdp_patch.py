@@ -158,10 +158,41 @@ def _rs_state_for(fsdp_params, reduce_scatter_group) -> TideRSState | None:
     members = {id(fp) for fp in param_group.fsdp_params}
     if any(id(fp) not in members for fp in fsdp_params):
         return None
-    if getattr(param_group, "_reduce_scatter_comm", None) is not state.fsdp_comm:
-        _warn_custom_comm(param_group, state.fqn, "reduce-scatter")
-        return None
     return state
+
+
+def _rs_stock_reason(state: TideRSState, fsdp_params, unsharded_grads, a: dict) -> str | None:
+    """Why this reduce of a TIDE-RS group must take FSDP2's path, or None. Raises when
+    that would mix the two paths' partial sums of HSDP microbatches without all-reduce
+    (TIDE's are divided already, FSDP2's are not: a silent scale error)."""
+    param_group = _groups_by_param[id(fsdp_params[0])]()
+    reason = None
+    if getattr(param_group, "_reduce_scatter_comm", None) is not state.fsdp_comm:
+        custom = fsdp_internals.custom_comm_reason(param_group) or "a custom reduce-scatter"
+        reason = f"{custom} set after comm.apply (set_custom_reduce_scatter)"
+    if reason is None:
+        reason = rs_unsupported_reason(
+            unsharded_grads, a["reduce_dtype"], a["orig_dtype"], a["all_reduce_group"],
+            a["all_reduce_hook"],
+        )  # fmt: skip
+    if reason is None:
+        shard_numel = sum(fp._sharded_param_data.numel() for fp in fsdp_params)
+        if rows_per_round(state, shard_numel, unsharded_grads[0].element_size()) == 0:
+            reason = (
+                f"{shard_numel} x {unsharded_grads[0].dtype} gradients per shard do not fit "
+                "one staging row of the copy-engine slots"
+            )
+    pending = a.get("partial_reduce_output") is not None
+    if reason is not None and pending and state.partial_from_tide:
+        raise RuntimeError(
+            f"TIDE-RS {state.fqn}: this reduce must take FSDP2's path ({reason}) while a "
+            "partial sum of microbatches without all-reduce from TIDE-RS is pending; the two "
+            "paths scale partial sums differently. Change custom comms only right after an "
+            "optimizer step."
+        )
+    if reason is None and pending and not state.partial_from_tide:
+        reason = "a partial sum of microbatches from FSDP2's path is pending (HSDP)"
+    return reason
 
 
 def _foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, *args, **kwargs):
@@ -172,20 +203,10 @@ def _foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, *args, *
         )
         call.apply_defaults()
         a = call.arguments
-        reason = rs_unsupported_reason(
-            unsharded_grads, a["reduce_dtype"], a["orig_dtype"], a["all_reduce_group"],
-            a["all_reduce_hook"],
-        )  # fmt: skip
-        rows = 0
+        reason = _rs_stock_reason(state, fsdp_params, unsharded_grads, a)
         if reason is None:
             shard_numel = sum(fp._sharded_param_data.numel() for fp in fsdp_params)
             rows = rows_per_round(state, shard_numel, unsharded_grads[0].element_size())
-            if rows == 0:
-                reason = (
-                    f"{shard_numel} x {unsharded_grads[0].dtype} gradients per shard do not fit "
-                    "one staging row of the copy-engine slots"
-                )
-        if reason is None:
             if state.calls == 0 and (note := rs_numerics_note(
                 unsharded_grads, a["reduce_dtype"], a["orig_dtype"]
             )):  # fmt: skip
@@ -200,6 +221,7 @@ def _foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, *args, *
                 all_reduce_grads=a["all_reduce_grads"],
                 partial_reduce_output=a["partial_reduce_output"],
             )  # fmt: skip
+            state.partial_from_tide = result.partial_reduce_output is not None
             if fsdp_internals.REDUCE_RETURNS_STREAM:
                 return tuple(result)
             return (result[0], result[1], *result[3:])

@@ -216,32 +216,30 @@ def _build_plans(cands: list[_Candidate], decisions: list[str]) -> list[_Candida
     return taken
 
 
-def _create_slots(
-    cands: list[_Candidate], options: TideOptions, ctx: TideContext, decisions: list[str]
-) -> tuple[dict, dict]:
-    """Collective: node-local groups and symmetric slots per (process group, device)
-    of the copy-engine candidates. A group whose node-local group cannot be made
-    raises (the agreement after this turns it into one error on every rank)."""
+@dataclass
+class _PendingSlots:
+    """The copy-engine slots of one (process group, device), allocated, not yet connected."""
+
+    group: dist.ProcessGroup
+    device: torch.device
+    layout: WorldLayout
+    ag_buffer: torch.Tensor
+    rs_buffer: torch.Tensor | None
+
+
+def _allocate_slots(cands: list[_Candidate], options: TideOptions) -> dict[tuple, _PendingSlots]:
+    """This rank's symmetric buffers per (process group, device) of the copy-engine
+    candidates, sized by ``memory_plan.slot_sizes`` (local: an out-of-memory here is
+    reported by the agreement before any rank starts a rendezvous)."""
     tide_rs = options.reduce_scatter == "tide"
-    shared = tide_rs and options.slot_reuse
     by_key: dict[tuple[int, torch.device], list[_Candidate]] = {}
     for c in cands:
         if c.kind == "copy_engine":
             by_key.setdefault((id(c.group), c.device), []).append(c)
-    ag_slots: dict = {}
-    rs_slots: dict = {}
+    pending: dict[tuple, _PendingSlots] = {}
     for key, members in by_key.items():
-        group, layout = members[0].group, members[0].layout
-        global_ranks = dist.get_process_group_ranks(group)
-        node_group = topology.make_node_local_group(group, layout, global_ranks)
-        if node_group is None:
-            raise RuntimeError(
-                "the copy engine across nodes needs a node-local process group, and "
-                "torch.distributed.split_group could not make one for this sub-group; "
-                "set [tide] ag_transport = 'nccl_p2p'"
-            )
-        if node_group is not group:
-            ctx.node_groups.append(node_group)
+        layout = members[0].layout
+        assert layout is not None
         sizes = slot_sizes(
             num_nodes=layout.num_nodes,
             local_world_size=layout.local_world_size,
@@ -254,20 +252,52 @@ def _create_slots(
             tide_rs=tide_rs,
             slot_reuse=options.slot_reuse,
         )
-        ag_slots[key] = SymmSlots.create(
-            sizes.ag_slot_bytes, node_group, key[1], barrier=options.slot_barrier
+        rs_buffer = (
+            SymmSlots.allocate(sizes.rs_slot_bytes, key[1])
+            if tide_rs and not options.slot_reuse
+            else None
         )
+        pending[key] = _PendingSlots(
+            members[0].group, key[1], layout, SymmSlots.allocate(sizes.ag_slot_bytes, key[1]),
+            rs_buffer,
+        )  # fmt: skip
+    return pending
+
+
+def _connect_slots(
+    pending: dict[tuple, _PendingSlots],
+    options: TideOptions,
+    ctx: TideContext,
+    decisions: list[str],
+) -> tuple[dict, dict]:
+    """Collective: the node-local group of each pending key (over the node's ranks)
+    and the rendezvous of its buffers. A node-local group that cannot be made raises
+    (the agreement after this turns it into one error on every rank)."""
+    ag_slots: dict = {}
+    rs_slots: dict = {}
+    for key, p in pending.items():
+        global_ranks = dist.get_process_group_ranks(p.group)
+        node_group = topology.make_node_local_group(p.group, p.layout, global_ranks)
+        if node_group is None:
+            raise RuntimeError(
+                "the copy engine across nodes needs a node-local process group, and "
+                "torch.distributed.new_group could not make one; "
+                "set [tide] ag_transport = 'nccl_p2p'"
+            )
+        if node_group is not p.group:
+            ctx.node_groups.append(node_group)
+        ag_slots[key] = SymmSlots.connect(p.ag_buffer, node_group, p.device, options.slot_barrier)
         ctx.slots.append(ag_slots[key])
         barrier = ag_slots[key].barrier_kind
         decisions.append(
-            f"copy-engine slots on {key[1]}: 2 x {ag_slots[key].slot_bytes} B, barrier "
+            f"copy-engine slots on {p.device}: 2 x {ag_slots[key].slot_bytes} B, barrier "
             + ("stream flag write/wait (no SM kernel)" if barrier == "copy_engine" else
                f"kernel (option slot_barrier={options.slot_barrier!r}"
                f"{'' if options.slot_barrier == 'kernel' else ': copy-engine barrier unavailable'})")
         )  # fmt: skip
-        if tide_rs and not shared:
-            rs_slots[key] = SymmSlots.create(
-                sizes.rs_slot_bytes, node_group, key[1], barrier=options.slot_barrier
+        if p.rs_buffer is not None:
+            rs_slots[key] = SymmSlots.connect(
+                p.rs_buffer, node_group, p.device, options.slot_barrier
             )
             ctx.slots.append(rs_slots[key])
     return ag_slots, rs_slots
@@ -387,29 +417,40 @@ def install(model: nn.Module, options: TideOptions) -> None:
         setattr(model, _MODEL_ATTR, ctx)
         return
     groups = _distinct_groups(cands)
+    me = dist.get_rank()
     with _control_plane():
-        infos = {id(g): topology.gather_rank_infos(g, device) for g, device in groups}
+        info, error = None, None
+        try:
+            info = topology.local_rank_info(cands[0].device)
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            error = _error_text(e)
+        gathered = _agree(groups, "topology", {"rank": me, "error": error, "info": info})
+        infos = {gid: [item["info"] for item in items] for gid, items in gathered.items()}
         error = None
         try:
             _decide(cands, options, infos)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             error = _error_text(e)
         gathered = _agree(
-            groups, "planning",
-            {"rank": dist.get_rank(), "error": error, "kinds": [c.kind for c in cands]},
-        )  # fmt: skip
+            groups, "planning", {"rank": me, "error": error, "kinds": [c.kind for c in cands]}
+        )
         _settle_transports(cands, gathered)
-        taken = _build_plans(cands, decisions)
+        # Local work that can fail alone (plans, symmetric buffers) before any rendezvous.
+        error, taken, pending = None, [], {}
+        try:
+            taken = _build_plans(cands, decisions)
+            pending = _allocate_slots(taken, options)
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            error = _error_text(e)
+        _agree(groups, "allocation", {"rank": me, "error": error})
         error = None
         try:
-            ag_slots, rs_slots = _create_slots(taken, options, ctx, decisions)
+            ag_slots, rs_slots = _connect_slots(pending, options, ctx, decisions)
             _mark_groups(taken, options, ag_slots, rs_slots, ctx, decisions)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             error = _error_text(e)
         try:
-            gathered = _agree(
-                groups, "set-up", {"rank": dist.get_rank(), "error": error, "log": decisions}
-            )
+            gathered = _agree(groups, "set-up", {"rank": me, "error": error, "log": decisions})
         except TideInstallError:
             _drop(ctx)
             raise
@@ -425,11 +466,16 @@ def install(model: nn.Module, options: TideOptions) -> None:
 def _log_decisions(decisions: list[str], reference: list[str] | None) -> None:
     """Global rank 0 logs its decisions; other ranks log (rank-tagged) only the
     ones that differ from ``reference`` (the first group's rank 0 decisions,
-    gathered by install's agreement: no collective of its own)."""
+    gathered by install's agreement: no collective of its own), or, when nothing
+    was gathered (no group taken), at debug level."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0 or reference is None:
+    if rank == 0:
         for d in decisions:
             logger.info("TIDE group %s", d)
+        return
+    if reference is None:  # nothing was gathered: rank 0 said it; here for debugging only
+        for d in decisions:
+            logger.debug("TIDE group [rank %d] %s", rank, d)
         return
     for i, d in enumerate(decisions):
         if i >= len(reference) or reference[i] != d:

@@ -137,6 +137,8 @@ class TideRSState:
     fsdp_comm: object = None
     calls: int = 0
     stock_reasons: set[str] = field(default_factory=set)
+    # HSDP: the pending partial sum of microbatches without all-reduce is TIDE-RS's.
+    partial_from_tide: bool = False
     # The RS plan, built on the first reduce of each shape and reused (pure functions
     # of layout, rank, rows and the gradients' numels; host time on every backward).
     plans: dict[tuple, tuple] = field(default_factory=dict)

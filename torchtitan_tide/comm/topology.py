@@ -1,18 +1,17 @@
 """Topology of one FSDP process group: which of its ranks share a node, and what TIDE
 can use between them.
 
-At install every rank of a process group contributes one :class:`RankInfo` (one
-``all_gather_object`` per group, ``gather_rank_infos``); the rest is computed from the
-gathered list, identically on every rank:
+At install every rank of a process group contributes one :class:`RankInfo`
+(:func:`local_rank_info`, gathered by install's first agreement); the rest is computed
+from the gathered list, identically on every rank:
 
 - nodes (:func:`node_keys`, :func:`resolve_local_world_size`): a node is the kernel
   boot (``/proc/sys/kernel/random/boot_id``: containers on one machine share it, two
   machines never do) plus the launcher's node rank (torchrun's ``GROUP_RANK``, else
   ``SLURM_NODEID``), so identical host names (containers) do not merge nodes and two
   launchers on one machine are two nodes; the host name is the last resort;
-- node-local groups (:func:`node_local_group_ranks`): GROUP ranks of each node, the
-  ranks ``dist.split_group`` takes (the global ranks go to ``new_subgroups_by_enumeration``
-  only for the world group);
+- node-local groups (:func:`node_local_group_ranks`, :func:`make_node_local_group`):
+  the group ranks of each node, mapped to global ranks for ``dist.new_group``;
 - the transport (:func:`choose_transport`): the copy engine needs CUDA, P2P access to
   the GPUs of the node's OTHER ranks of this group (found by device UUID, not every
   visible GPU), and a backend with point-to-point when there is more than one node;
@@ -37,8 +36,8 @@ __all__ = [
     "RankInfo",
     "backend_has_p2p",
     "choose_transport",
-    "gather_rank_infos",
     "local_peer_access",
+    "local_rank_info",
     "make_node_local_group",
     "node_keys",
     "node_local_group_ranks",
@@ -84,13 +83,6 @@ def local_rank_info(device: torch.device) -> RankInfo:
     return RankInfo(socket.gethostname(), _boot_id(), launcher_node, _device_uuid(device), rank)
 
 
-def gather_rank_infos(group: dist.ProcessGroup, device: torch.device) -> list[RankInfo]:
-    """Collective over ``group``: every rank's :class:`RankInfo`, by group rank."""
-    infos: list[RankInfo | None] = [None] * group.size()
-    dist.all_gather_object(infos, local_rank_info(device), group=group)
-    return infos  # type: ignore[return-value]
-
-
 def node_keys(infos: list[RankInfo]) -> list[str]:
     """One string per rank; equal strings = same node (module docstring)."""
     return [f"{i.boot_id or i.host}/{i.launcher_node}" for i in infos]
@@ -111,7 +103,8 @@ def resolve_local_world_size(options: TideOptions, keys: list[str]) -> tuple[int
         if world % lws:
             raise ValueError(
                 f"[tide] local_world_size = {lws} must divide the FSDP group size {world}; "
-                f"set it to a divisor of {world} or to 0 to detect nodes"
+                f"set it to a divisor of {world}, or leave it to detection ([tide] "
+                "local_world_size = 0, comm.apply option local_world_size=None)"
             )
         return lws, "option local_world_size"
     runs: list[list] = []  # [node key, count] per run of equal consecutive keys
@@ -214,22 +207,19 @@ def choose_transport(
 def make_node_local_group(
     group: dist.ProcessGroup, layout: WorldLayout, global_ranks: list[int]
 ) -> dist.ProcessGroup | None:
-    """Collective over ``group`` (over the world for the world group): the process
-    group of this rank's node within ``group``, or None when it cannot be made
-    (then the caller agrees with the other ranks on point-to-point). One node: the
-    group itself."""
+    """The process group of this rank's node within ``group`` (one node: the group
+    itself), or None when it cannot be made. Collective over this rank's node only:
+    ``dist.new_group(..., use_local_synchronization=True)`` of the node's GLOBAL ranks,
+    which only the members call and which needs no device bound to the default group
+    (``dist.split_group`` does, and TorchTitan's ``init_distributed`` binds none).
+    Every rank creates its node groups in model order, so overlapping ones (e.g. the
+    dense and the expert FSDP group of one node) are created in the same order."""
     if layout.num_nodes == 1:
         return group
-    node_lists = node_local_group_ranks(layout)
-    if group.size() == dist.get_world_size():
-        sub, _ = dist.new_subgroups_by_enumeration(
-            [[global_ranks[r] for r in ranks] for ranks in node_lists]
-        )
-        return sub
-    if not hasattr(dist, "split_group"):
-        return None
-    try:  # NCCL with an eagerly initialized default group (init_process_group(device_id=...))
-        return dist.split_group(group, split_ranks=node_lists)
+    node = layout.node_of(group.rank())
+    members = [global_ranks[r] for r in node_local_group_ranks(layout)[node]]
+    try:
+        return dist.new_group(ranks=members, use_local_synchronization=True)
     except Exception as e:  # noqa: BLE001 - any failure means "no node-local group"
-        logger.warning("TIDE: split_group for the node-local groups failed: %s", e)
+        logger.warning("TIDE: the node-local group of ranks %s could not be made: %s", members, e)
         return None

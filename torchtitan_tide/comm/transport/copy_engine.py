@@ -97,20 +97,39 @@ class SymmSlots:
         device: torch.device,
         barrier: str = "copy_engine",
     ) -> SymmSlots:
-        """Collective over ``group``: allocate and rendezvous the buffer, set up the
-        ``barrier`` (``options.SLOT_BARRIERS``). A copy-engine barrier that cannot run on
-        some rank (no cuda-bindings, no signal pad) gives the kernel barrier on
+        """Collective over ``group``: :meth:`allocate` then :meth:`connect`."""
+        return cls.connect(cls.allocate(slot_bytes, device), group, device, barrier)
+
+    @staticmethod
+    def allocate(slot_bytes: int, device: torch.device) -> torch.Tensor:
+        """This rank's symmetric buffer of two slots (local: may fail alone, e.g. out of
+        memory, so ``install`` agrees on it before any collective)."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        nbytes = 2 * slot_alloc_bytes(slot_bytes)
+        return symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+
+    @classmethod
+    def connect(
+        cls,
+        buffer: torch.Tensor,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        barrier: str = "copy_engine",
+    ) -> SymmSlots:
+        """Collective over ``group``: rendezvous ``buffer`` (from :meth:`allocate`), set
+        up the ``barrier`` (``options.SLOT_BARRIERS``). A copy-engine barrier that cannot
+        run on some rank (no cuda-bindings, no signal pad) gives the kernel barrier on
         every rank, logged with the reason."""
         import torch.distributed._symmetric_memory as symm_mem
 
-        slot_bytes = slot_alloc_bytes(slot_bytes)
+        slot_bytes = buffer.numel() // 2
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None:
             try:
                 enable(group.group_name)
             except Exception as e:  # noqa: BLE001 - deprecated/no-op on newer torch
                 logger.debug("enable_symm_mem_for_group: %s", e)
-        buffer = symm_mem.empty(2 * slot_bytes, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(buffer, group.group_name)
         world = group.size()
         peer_bufs = [handle.get_buffer(r, (2 * slot_bytes,), torch.uint8, 0) for r in range(world)]
@@ -164,11 +183,18 @@ def _setup_ce_barrier(slots: SymmSlots, device: torch.device) -> str | None:
         _wait_value32(stream, flags[me].data_ptr() + 4 * (base + me), 0)
         torch.cuda.synchronize(device)
         attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES
-        err, can_flush = driver.cuDeviceGetAttribute(attr, device.index or 0)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        err, can_flush = driver.cuDeviceGetAttribute(attr, index)
     except Exception as e:  # noqa: BLE001 - any failure means "use the kernel barrier"
         return f"{type(e).__name__}: {e}"
     slots.peer_flags, slots.flags_base = flags, base
     slots.wait_flags = _CU_STREAM_WAIT_VALUE_FLUSH if can_flush and not err else 0
+    logger.info(
+        "TIDE slots on cuda:%d: copy-engine barrier waits %s CU_STREAM_WAIT_VALUE_FLUSH "
+        "(CAN_FLUSH_REMOTE_WRITES = %s%s)",
+        index, "with" if slots.wait_flags else "without", can_flush,
+        "" if not err else f", query failed: {err}",
+    )  # fmt: skip
     return None
 
 
