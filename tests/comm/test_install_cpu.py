@@ -94,8 +94,8 @@ def _cases(rank: int, world: int) -> None:
                                       ("set-up", 0, "_connect_slots")):  # fmt: skip
         real = getattr(install, name)
 
-        def fails(*args, **kwargs):
-            raise RuntimeError(f"injected {phase} failure")
+        def fails(*args, _phase=phase, **kwargs):
+            raise RuntimeError(f"injected {_phase} failure")
 
         if rank == failing_rank:
             setattr(install, name, fails)
