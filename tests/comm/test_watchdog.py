@@ -71,7 +71,7 @@ def test_completed_work_never_fires(dog):
 
 
 def test_done_probe_that_raises_counts_as_done(dog):
-    wd, exits, _ = dog
+    _, exits, _ = dog
 
     def failed_work() -> bool:
         raise RuntimeError("work failed: reported by its own wait, not a hang")

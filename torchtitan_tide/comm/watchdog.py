@@ -244,8 +244,9 @@ class Watchdog:
 
     def cause(self, overdue: _Wait) -> str:
         """The one-line report of an overdue wait."""
-        peers = ", ".join(str(p) for p in overdue.peers) or "?"
-        silent = self.silent_peers([p for p in overdue.peers if p != self.rank])
+        waited_for = sorted(set(overdue.peers))
+        peers = ", ".join(str(p) for p in waited_for) or "?"
+        silent = self.silent_peers([p for p in waited_for if p != self.rank])
         who = (
             f"stopped answering: {'; '.join(silent)}"
             if silent
