@@ -50,6 +50,7 @@ def test_missed_deadline_aborts_and_exits(dog, tmp_path, monkeypatch):
         assert part in wd.fired, (part, wd.fired)
     assert json.loads(error_file.read_text())["message"]["message"] == wd.fired
     assert watchdog.failure_summary(str(tmp_path)) == wd.fired
+    assert watchdog.failure_summary(str(tmp_path), since=time.time() + 1) is None  # older run
 
 
 def test_completed_work_never_fires(dog):

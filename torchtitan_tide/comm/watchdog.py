@@ -294,21 +294,29 @@ def report(message: str, dump_folder: str | None) -> None:
         try:
             os.makedirs(dump_folder, exist_ok=True)
             with open(os.path.join(dump_folder, FAILURES_FILE), "a", encoding="utf-8") as f:
-                f.write(message.replace("\n", " ") + "\n")
+                f.write(f"{time.time():.3f} " + message.replace("\n", " ") + "\n")
         except OSError as e:
             logger.warning("TIDE watchdog: cannot write %s: %s", FAILURES_FILE, e)
 
 
-def failure_summary(dump_folder: str) -> str | None:
-    """The causes recorded in ``<dump_folder>/tide_failures.txt`` (for the launcher to
-    print after torchrun failed), or None if there are none."""
+def failure_summary(dump_folder: str, since: float = 0.0) -> str | None:
+    """The causes recorded in ``<dump_folder>/tide_failures.txt`` at or after ``since``
+    (``time.time()``; for the launcher to print after torchrun failed: pass the time it
+    started torchrun), one per line, or None if there are none."""
     path = os.path.join(dump_folder, FAILURES_FILE)
     try:
         with open(path, encoding="utf-8") as f:
-            lines = [line.strip() for line in f if line.strip()]
+            lines = [line.strip().split(" ", 1) for line in f if line.strip()]
     except OSError:
         return None
-    return "\n".join(lines) or None
+    causes = []
+    for parts in lines:
+        try:
+            if len(parts) == 2 and float(parts[0]) >= since:
+                causes.append(parts[1])
+        except ValueError:
+            continue
+    return "\n".join(causes) or None
 
 
 # ---------------------------------------------------------------- the active one
