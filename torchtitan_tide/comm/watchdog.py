@@ -244,9 +244,9 @@ class Watchdog:
 
     def cause(self, overdue: _Wait) -> str:
         """The one-line report of an overdue wait."""
-        waited_for = sorted(set(overdue.peers))
+        waited_for = sorted(set(overdue.peers) - {self.rank})  # a group's ranks include this one
         peers = ", ".join(str(p) for p in waited_for) or "?"
-        silent = self.silent_peers([p for p in waited_for if p != self.rank])
+        silent = self.silent_peers(waited_for)
         who = (
             f"stopped answering: {'; '.join(silent)}"
             if silent
