@@ -46,7 +46,7 @@ def test_missed_deadline_aborts_and_exits(dog, tmp_path, monkeypatch):
     assert 0.3 <= elapsed < 2.0, elapsed  # deadline 0.3 s, stamped at most a poll late
     assert exits.calls == [(watchdog.EXIT_CODE,)] and len(aborts.calls) == 1
     for part in ("rank 0 waited", "step 7", "rank(s) 1", "TIDE-AG p2p gather", "group_x",
-                 "stopped answering: rank 1 (no heartbeat for 60 s, last at step 6)"):  # fmt: skip
+                 "stopped answering: rank 1 (no heartbeat for 60 s, last in step 6)"):  # fmt: skip
         assert part in wd.fired, (part, wd.fired)
     assert json.loads(error_file.read_text())["message"]["message"] == wd.fired
     assert watchdog.failure_summary(str(tmp_path)) == wd.fired
@@ -101,7 +101,7 @@ def test_explain_exception_names_the_silent_peer(dog, tmp_path):
     wd, exits, _ = dog
     wd.store.set("tide_watchdog/1", f"{time.time() - 30:.3f} 4")
     line = watchdog.explain_exception(RuntimeError("Timed out waiting 15000ms for send"))
-    assert line is not None and "rank 1 (no heartbeat for 30 s, last at step 4)" in line
+    assert line is not None and "rank 1 (no heartbeat for 30 s, last in step 4)" in line
     assert "Timed out waiting 15000ms" in line and not exits.calls
     assert watchdog.failure_summary(str(tmp_path)) == line
 

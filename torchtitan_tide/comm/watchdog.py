@@ -212,7 +212,7 @@ class Watchdog:
     # ------------------------------------------------------------ failure
     def silent_peers(self, ranks: Sequence[int]) -> list[str]:
         """For each of ``ranks`` whose heartbeat is older than ``max(5 s, 5 polls)``
-        (or missing), ``"rank R (no heartbeat for S s, last at step N)"``. Bounded by
+        (or missing), ``"rank R (no heartbeat for S s, last in step N)"``. Bounded by
         :data:`_STORE_READ_S`; empty without a store."""
         if self.store is None or not ranks:
             return []
@@ -239,7 +239,7 @@ class Watchdog:
                 continue
             when, step = beat.split()
             if now - float(when) > stale_s:
-                out.append(f"rank {r} (no heartbeat for {now - float(when):.0f} s, last at step {step})")
+                out.append(f"rank {r} (no heartbeat for {now - float(when):.0f} s, last in step {step})")
         return out
 
     def cause(self, overdue: _Wait) -> str:
