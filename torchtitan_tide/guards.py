@@ -58,7 +58,7 @@ def _start_watchdog(job_config: Any) -> watchdog.Watchdog:
         first, rank=dist.get_rank(), world_size=dist.get_world_size(), store=store,
         dump_folder=job_config.job.dump_folder,
     )  # fmt: skip
-    wd.later_timeout_s = float(timeout)  # type: ignore[attr-defined]  (after step 1)
+    _step_state["timeout_s"] = float(timeout)  # from step 2 on
     return watchdog.start(wd)
 
 
@@ -74,10 +74,7 @@ def _train(self, *args, **kwargs):
 
 def _train_step(self, *args, **kwargs):
     _step_state.update(step=self.step, losses=[])
-    wd = watchdog.active()
-    if wd is not None:
-        later = getattr(wd, "later_timeout_s", None)
-        watchdog.set_step(self.step, later if self.step > 1 else None)
+    watchdog.set_step(self.step, _step_state.get("timeout_s") if self.step > 1 else None)
     return _originals["train_step"](self, *args, **kwargs)
 
 
