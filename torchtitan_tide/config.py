@@ -95,9 +95,10 @@ class Tide:
     different comm modes can be compared step by step."""
 
     watchdog_timeout_s: int = 0
-    """Deadline (whole seconds, as TorchTitan's comm timeouts) of every TIDE wait on a peer (copy-engine slot barrier,
-    all-gather run-ahead bound, point-to-point phases); past it the rank logs the
-    operation, step and peers, aborts its process groups and exits non-zero.
+    """Deadline (whole seconds, as TorchTitan's comm timeouts) of every TIDE wait on a
+    peer (copy-engine slot barrier, all-gather run-ahead bound, point-to-point phases);
+    past it the rank logs the operation, step and peers, aborts its process groups and
+    exits non-zero.
     0: TorchTitan's comm.train_timeout_seconds (comm.init_timeout_seconds in step 1)."""
 
     nonfinite: str = "stop"

@@ -143,7 +143,8 @@ def _gloo_rank(rank: int, init_file: str, out, finished) -> None:
         begin = time.monotonic()
         work = dist.irecv(torch.zeros(4), src=1)
         try:
-            watchdog.wait_works([work], "TIDE-AG p2p gather", dist.group.WORLD, (1,))
+            watchdog.wait_works([work], "TIDE-AG p2p gather", dist.group.WORLD, (1,),
+                                torch.device("cpu"))  # fmt: skip
             raised = None
         except RuntimeError as e:
             raised = str(e)

@@ -243,7 +243,8 @@ def _cross_node_step(
             dist.P2POp(dist.isend, partial, peers[0], group),
             dist.P2POp(dist.irecv, recv, peers[1], group),
         ]
-        watchdog.wait_works(dist.batch_isend_irecv(ops), "TIDE-RS cross-node p2p", group, peers)
+        watchdog.wait_works(dist.batch_isend_irecv(ops), "TIDE-RS cross-node p2p", group, peers,
+                            device)  # fmt: skip
         if cross is not None:
             partial.record_stream(cross)  # allocated on the phase-1 stream
             state.buffers.partial_free[partial_slot] = cross.record_event()

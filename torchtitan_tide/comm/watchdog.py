@@ -144,6 +144,7 @@ class Watchdog:
         self.pending: collections.deque[tuple] = collections.deque()  # appended by watch
         self._timed: collections.deque[_Wait] = collections.deque()  # polling thread only
         self.fired: str | None = None  # the cause, once fired
+        self._fire_lock, self._firing = threading.Lock(), False
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -259,7 +260,15 @@ class Watchdog:
         )
 
     def fire(self, overdue: _Wait) -> None:
-        """Report ``overdue``, abort the process groups and end the process."""
+        """Report ``overdue``, abort the process groups and end the process. A second
+        caller (the polling thread and a host wait can both see a deadline pass) waits
+        for the first one to end the process instead of reporting again."""
+        with self._fire_lock:
+            first = not self._firing
+            self._firing = True
+        if not first:
+            time.sleep(15.0)  # the first caller's abort is bounded to 10 s, then it exits
+            return
         self.fired = message = self.cause(overdue)
         report(message, self.dump_folder)
         aborter = threading.Thread(target=self.abort_fn, daemon=True)
@@ -406,35 +415,30 @@ def group_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
     return _GROUP_RANKS[key]
 
 
-_GLOO_GROUPS: dict[int, bool] = {}
-
-
-def _host_waits(group: dist.ProcessGroup) -> bool:
-    """Whether ``group``'s work blocks the host in ``wait`` (gloo) rather than the stream."""
-    key = id(group)
-    if key not in _GLOO_GROUPS:
-        _GLOO_GROUPS[key] = dist.get_backend(group) != "nccl"
-    return _GLOO_GROUPS[key]
-
-
 def wait_works(
-    works: list[dist.Work], operation: str, group: dist.ProcessGroup, peers: tuple[int, ...]
+    works: list[dist.Work],
+    operation: str,
+    group: dist.ProcessGroup,
+    peers: tuple[int, ...],
+    device: torch.device,
 ) -> None:
-    """Register ``works`` (one entry) and wait them: gloo with an explicit timeout
-    (``_WAIT_GRACE_S`` after the watchdog's deadline), NCCL into the current stream."""
+    """Register ``works`` (one entry) and wait them. Tensors on ``device`` CPU (gloo):
+    with an explicit timeout, ``_WAIT_GRACE_S`` after the watchdog's deadline (``wait``
+    blocks the host there). CUDA (NCCL, also under a ``cuda:nccl,cpu:gloo`` group): into
+    the current stream, no host block (``wait(timeout)`` would block the host)."""
     if not works:
         return
     if _active is not None:
         done = works[0].is_completed if len(works) == 1 else (
             lambda: all(w.is_completed() for w in works))  # fmt: skip
         _active.watch(operation, group.group_name, peers, done)
-    if _host_waits(group):
+    if device.type == "cuda":
+        for work in works:
+            work.wait()
+    else:
         timeout = timedelta(seconds=_timeout_s() + _WAIT_GRACE_S)
         for work in works:
             work.wait(timeout=timeout)
-    else:
-        for work in works:
-            work.wait()
 
 
 def explain_exception(exc: BaseException, dump_folder: str | None = None) -> str | None:

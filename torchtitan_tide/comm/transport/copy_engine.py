@@ -389,8 +389,9 @@ class CopyEngineTransport:
                 )
                 for m, k in _runs([layout.node_of(r) for r in ex.recv_ranks])
             ]
+            peers = (global_rank(group, ex.send_peer), global_rank(group, ex.recv_peer))
             watchdog.wait_works(dist.batch_isend_irecv(ops), "TIDE-AG cross-node p2p", group,
-                                (global_rank(group, ex.send_peer), global_rank(group, ex.recv_peer)))
+                                peers, slots.buffer.device)  # fmt: skip
         # 3. local peers packed/received round r and finished pulling round r - 1.
         slots.barrier()
         # 4. pull every (local index, node, param) shard, the own one included

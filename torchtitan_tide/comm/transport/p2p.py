@@ -79,7 +79,7 @@ class P2PTransport:
                 if not ops:
                     continue
                 watchdog.wait_works(dist.batch_isend_irecv(ops), "TIDE-AG p2p gather", group,
-                                    (send_peer, recv_peer))  # fmt: skip
+                                    (send_peer, recv_peer), outputs[0].device)  # fmt: skip
         return None
 
     def exchange_rows(
@@ -125,5 +125,6 @@ class P2PTransport:
                 ops.append(dist.P2POp(dist.irecv, dst.view(torch.uint8), peer_rank, group))
         if ops:
             peers = tuple(sorted({op.peer for op in ops}))
-            watchdog.wait_works(dist.batch_isend_irecv(ops), "TIDE-RS p2p rows", group, peers)
+            watchdog.wait_works(dist.batch_isend_irecv(ops), "TIDE-RS p2p rows", group, peers,
+                                rows.device)  # fmt: skip
         return rows
