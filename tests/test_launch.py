@@ -20,7 +20,7 @@ def run_dry(repo, args, cwd=None, **env):
 
 
 def command_of(stdout: str) -> list[str]:
-    line = [ln for ln in stdout.splitlines() if "torch.distributed.run" in ln][-1]
+    line = [ln for ln in stdout.splitlines() if "torchtitan_tide.torchrun" in ln][-1]
     return shlex.split(line.removeprefix("[run_train] "))
 
 
@@ -127,7 +127,7 @@ def test_bad_run_values_fail_in_the_launcher(monkeypatch, capsys, args, message)
     code, out, err = dry_main(monkeypatch, capsys, *args)
     assert code == 2, out
     assert message in err, err
-    assert "torch.distributed.run" not in out  # nothing was started
+    assert "torchtitan_tide.torchrun" not in out  # nothing was started
 
 
 def test_booleans_either_way(monkeypatch, capsys):

@@ -78,7 +78,7 @@ def test_dry_run_8_nodes_prints_every_node_and_resolves_node_0():
         in result.stdout
     )
     assert "comm        tide" in result.stdout
-    torchrun = [ln for ln in result.stdout.splitlines() if "torch.distributed.run" in ln]
+    torchrun = [ln for ln in result.stdout.splitlines() if "torchtitan_tide.torchrun" in ln]
     assert len(torchrun) == 1
     cmd = shlex.split(torchrun[0].removeprefix("[run_train] "))
     for flag in (
@@ -101,7 +101,7 @@ def test_dry_run_1_node_and_dry_run_argument():
     )
     assert result.returncode == 0, result.stderr
     check_nodes(result.stdout, ["solo"], "wan22_a14b_fsdp2.toml", [])
-    assert "torch.distributed.run" not in result.stdout  # DRY_RUN=print resolves nothing
+    assert "torchtitan_tide.torchrun" not in result.stdout  # DRY_RUN=print resolves nothing
 
 
 def test_hostnames_from_scontrol(tmp_path):

@@ -21,6 +21,8 @@ except ModuleNotFoundError:  # Python 3.10
 
 COMM_MODES = ("fsdp2", "symm_mem", "tide")
 FALLBACKS = ("none", "fsdp2")
+NONFINITE = ("stop", "skip")
+CORRUPT_CHECKPOINT = ("stop", "previous")
 # Options read only when comm = "tide".
 TIDE_ONLY_KEYS = (
     "ag_transport", "local_world_size", "ag_pacing",
@@ -92,6 +94,25 @@ class Tide:
     `<dump_folder>/metrics.jsonl` on the metrics rank, at full float precision, so runs in
     different comm modes can be compared step by step."""
 
+    watchdog_timeout_s: int = 0
+    """Deadline (whole seconds, as TorchTitan's comm timeouts) of every TIDE wait on a
+    peer (copy-engine slot barrier, all-gather run-ahead bound, point-to-point phases);
+    past it the rank logs the operation, step and peers, aborts its process groups and
+    exits non-zero.
+    0: TorchTitan's comm.train_timeout_seconds (comm.init_timeout_seconds in step 1)."""
+
+    nonfinite: str = "stop"
+    """A NaN/inf loss or gradient norm. "stop": end the run with an error naming the
+    step and the value (the step is never checkpointed). "skip": drop that step's
+    gradients (no optimizer update; the learning-rate schedule still advances), log it
+    and go on."""
+
+    corrupt_checkpoint: str = "stop"
+    """A checkpoint whose files do not match the sha256 manifest written after its save.
+    "stop": fail, naming the file and the previous good step. "previous": move the bad
+    step folder to <checkpoint folder>/corrupt/ (nothing is deleted), log it and resume
+    from the previous good step."""
+
     def __post_init__(self) -> None:
         _check_choice("comm", self.comm, COMM_MODES)
         _check_choice("fallback", self.fallback, FALLBACKS)
@@ -101,6 +122,9 @@ class Tide:
         _check_choice("reduce_scatter", self.reduce_scatter, REDUCE_SCATTERS)
         _check_int("rs_ctas", self.rs_ctas, minimum=0)
         _check_choice("slot_barrier", self.slot_barrier, SLOT_BARRIERS)
+        _check_choice("nonfinite", self.nonfinite, NONFINITE)
+        _check_choice("corrupt_checkpoint", self.corrupt_checkpoint, CORRUPT_CHECKPOINT)
+        _check_int("watchdog_timeout_s", self.watchdog_timeout_s, minimum=0)
         for key in ("rs_rows", "rs_inflight"):
             _check_int(key, getattr(self, key), minimum=1)
         if not isinstance(self.slot_reuse, bool):

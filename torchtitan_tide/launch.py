@@ -32,6 +32,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -382,7 +383,7 @@ def torchrun_command(world: World, config_path: Path, overrides: list[str]) -> l
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "torchtitan_tide.torchrun",  # torchrun, with a short grace before SIGKILL of hung ranks
         f"--nproc_per_node={world.nproc_per_node}",
     ]
     if world.nnodes > 1:
@@ -542,7 +543,17 @@ def main(argv: list[str] | None = None) -> int:
         env.setdefault(key, value)
     env.update(env_updates)
     print("[run_train] multicast: " + " ".join(f"{k}={env[k]}" for k in MULTICAST_OFF), flush=True)
-    return subprocess.call(cmd, env=env)
+    started = time.time()
+    rc = subprocess.call(cmd, env=env)
+    if rc != 0:
+        dump_folder = values.get("job.dump_folder") or table.get("job", {}).get(
+            "dump_folder", "./outputs"
+        )
+        from torchtitan_tide.comm.watchdog import failure_summary  # torch only when needed
+
+        if cause := failure_summary(str(dump_folder), since=started):
+            print(f"run_train.sh: cause: {cause}", file=sys.stderr, flush=True)
+    return rc
 
 
 if __name__ == "__main__":

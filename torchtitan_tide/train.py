@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from torchtitan_tide import checkpoint, guards
 from torchtitan_tide.config import load_toml
 from torchtitan_tide.device import use_cpu_device, wants_cpu
 from torchtitan_tide.launch import (
@@ -97,6 +98,9 @@ def prepare(args: list[str]) -> tuple[str, list[str]]:
         use_cpu_moe_kernels()
     import torchtitan_tide.train_specs  # noqa: F401  (registers specs and dataset)
 
+    guards.install()  # watchdog, non-finite steps
+    checkpoint.install()  # checkpoint manifests, partial/corrupt step folders
+
     return device_type, env_notes
 
 
@@ -119,7 +123,11 @@ def main() -> None:
         f"{nccl_version_string()}, W&B mode {os.environ['WANDB_MODE']}"
         + "".join(f"; comm env {note}" for note in env_notes)
     )
-    titan_main(Trainer)
+    try:
+        titan_main(Trainer)
+    except Exception as exc:
+        guards.explain_failure(exc)  # names a peer that stopped answering, if any
+        raise
 
 
 if __name__ == "__main__":

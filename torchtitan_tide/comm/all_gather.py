@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import AllGatherResult
 
-from . import streams
+from . import streams, watchdog
 from .plan import GroupPlan
 from .transport import AllGatherTransport
 
@@ -132,8 +132,9 @@ def tide_all_gather(
         compute_stream = torch.cuda.current_stream(device)
         marks = _issue_marks.setdefault(device, collections.deque())
         marks.append(compute_stream.record_event())
-        while len(marks) > _UNSHARDS_AHEAD:
-            marks.popleft().synchronize()  # bound the host's run-ahead (see module doc)
+        while len(marks) > _UNSHARDS_AHEAD:  # bound the host's run-ahead (see module doc)
+            watchdog.wait_event(marks.popleft(), "TIDE-AG run-ahead bound (compute stream)",
+                                group.group_name, watchdog.group_ranks(group))  # fmt: skip
         stream = streams.stream("tide", device)
         stream.wait_stream(all_gather_copy_in_stream)
         if all_gather_stream is not all_gather_copy_in_stream:

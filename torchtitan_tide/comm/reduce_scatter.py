@@ -43,7 +43,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import kernels, streams
+from . import kernels, streams, watchdog
 from .plan import RSRound, WorldLayout, rs_cross_node_peers, rs_schedule, rs_segments
 from .transport import ReduceScatterTransport
 
@@ -284,12 +284,13 @@ def _cross_node_step(
         cross.wait_stream(torch.cuda.current_stream(device))
     with _stream_ctx(cross):
         recv = state.buffers.take_recv(out.numel(), device)
+        peers = (state.global_ranks[send_peer], state.global_ranks[recv_peer])
         ops = [
-            dist.P2POp(dist.isend, partial, state.global_ranks[send_peer], group),
-            dist.P2POp(dist.irecv, recv, state.global_ranks[recv_peer], group),
+            dist.P2POp(dist.isend, partial, peers[0], group),
+            dist.P2POp(dist.irecv, recv, peers[1], group),
         ]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        watchdog.wait_works(dist.batch_isend_irecv(ops), "TIDE-RS cross-node p2p", group, peers,
+                            device)  # fmt: skip
         if cross is not None:
             partial.record_stream(cross)  # allocated on the phase-1 stream
             state.buffers.partial_free[partial_slot] = cross.record_event()

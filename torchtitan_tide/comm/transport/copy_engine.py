@@ -55,6 +55,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .. import watchdog
 from ..memory_plan import slot_alloc_bytes
 from ..plan import GroupPlan, RSRound, RSSegment, RSSlice, WorldLayout, rs_push_slices
 from . import global_rank
@@ -88,6 +89,8 @@ class SymmSlots:
     peer_flags: list[torch.Tensor] | None = None  # uint32 signal pad of each rank, mapped here
     flags_base: int = 0  # first flag word in every signal pad (word ``flags_base + src``)
     wait_flags: int = 0  # extra cuStreamWaitValue32 flags (FLUSH where the device has it)
+    group_name: str = ""  # the node-local group (watchdog reports)
+    peer_ranks: tuple[int, ...] = ()  # its global ranks (watchdog reports)
 
     @classmethod
     def create(
@@ -135,6 +138,7 @@ class SymmSlots:
         peer_bufs = [handle.get_buffer(r, (2 * slot_bytes,), torch.uint8, 0) for r in range(world)]
         peer_ptrs = [t.data_ptr() for t in peer_bufs]
         slots = cls(buffer, handle, slot_bytes, peer_bufs, peer_ptrs, [0] * world)
+        slots.group_name, slots.peer_ranks = group.group_name, watchdog.group_ranks(group)
         reason = _setup_ce_barrier(slots, device) if barrier == "copy_engine" else "option"
         # One collective: every rank's device, and whether its copy-engine barrier works.
         infos: list[tuple[int, str | None]] = [(0, None)] * world
@@ -158,6 +162,8 @@ class SymmSlots:
             _ce_barrier(self, torch.cuda.current_stream(self.buffer.device))
         else:
             self.handle.barrier(channel=0)
+        watchdog.watch_stream(f"{self.barrier_kind} slot barrier", self.group_name,
+                              self.peer_ranks, self.buffer.device)  # fmt: skip
 
 
 def _setup_ce_barrier(slots: SymmSlots, device: torch.device) -> str | None:
@@ -430,8 +436,9 @@ class CopyEngineTransport:
                 )
                 for m, k in _runs([layout.node_of(r) for r in ex.recv_ranks])
             ]
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            peers = (global_rank(group, ex.send_peer), global_rank(group, ex.recv_peer))
+            watchdog.wait_works(dist.batch_isend_irecv(ops), "TIDE-AG cross-node p2p", group,
+                                peers, slots.buffer.device)  # fmt: skip
         # 3. local peers packed/received round r and finished pulling round r - 1.
         slots.barrier()
         # 4. pull every (local index, node, param) shard, the own one included

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import watchdog
 from ..plan import (
     Chunk,
     GroupPlan,
@@ -77,8 +78,8 @@ class P2PTransport:
                     )
                 if not ops:
                     continue
-                for work in dist.batch_isend_irecv(ops):
-                    work.wait()
+                watchdog.wait_works(dist.batch_isend_irecv(ops), "TIDE-AG p2p gather", group,
+                                    (send_peer, recv_peer), outputs[0].device)  # fmt: skip
         return None
 
     def exchange_rows(
@@ -123,6 +124,7 @@ class P2PTransport:
                 dst = rows[row].narrow(0, seg.out_offset, valid)
                 ops.append(dist.P2POp(dist.irecv, dst.view(torch.uint8), peer_rank, group))
         if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            peers = tuple(sorted({op.peer for op in ops}))
+            watchdog.wait_works(dist.batch_isend_irecv(ops), "TIDE-RS p2p rows", group, peers,
+                                rows.device)  # fmt: skip
         return rows
