@@ -166,7 +166,7 @@ def test_help_and_dry_run_text(monkeypatch, capsys):
 
     code, out, _ = dry_main(monkeypatch, capsys, "--tide.comm", "tide")
     assert code == 0
-    assert "tide layout local_world_size 0: grouped by host name" in out
+    assert "tide layout local_world_size 0: nodes detected at start" in out
     assert out.strip().splitlines()[-1] == "[run_train] dry run: nothing started (drop --dry-run to train)"
     code, out, _ = dry_main(monkeypatch, capsys, "--tide.comm", "tide", "--tide.local_world_size", "1")
     assert "local_world_size 1 (option): 2 node(s) x 1 rank(s)" in out

@@ -54,7 +54,8 @@ class Tide:
     Only read when comm = "tide"."""
 
     local_world_size: int = 0
-    """Ranks per node as TIDE sees them. 0: detect (ranks grouped by host name). Set it
+    """Ranks per node as TIDE sees them. 0: detect (each rank's kernel boot id and launcher
+    node rank; host names alone merge containers). Set it
     to test the cross-node path on one host, e.g. 1 to treat 2 GPUs as 2 nodes. Must divide
     the data-parallel shard degree. Only read when comm = "tide"."""
 

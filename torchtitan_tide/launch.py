@@ -499,8 +499,9 @@ def tide_layout_line(tide: Tide, world: World) -> str:
         nodes = world.size // tide.local_world_size
         return (f"tide layout local_world_size {tide.local_world_size} (option): "
                 f"{nodes} node(s) x {tide.local_world_size} rank(s) as TIDE sees them")
-    return (f"tide layout local_world_size 0: grouped by host name at start "
-            f"(this launch: {world.nnodes} host(s) x {world.nproc_per_node} rank(s))")
+    return (f"tide layout local_world_size 0: nodes detected at start (kernel boot id + "
+            f"launcher node rank) (this launch: {world.nnodes} node(s) x "
+            f"{world.nproc_per_node} rank(s))")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,15 +51,6 @@ CONFIG_TITLES = {
     "h200x2_wan22_a14b_20layers": "Wan2.2-A14B, 20 layers",
 }
 STEP_METRIC = "step ms (best round)"
-# Compute floors (ms) used only when neither the step JSON rows (`floor_ms`) nor a
-# `*_floor_<config>.json` result (top-level `floor_ms`) has one. Source: measured on one
-# H200 on 2026-12-01 (bf16 model fwd+bwd on one rank's 8192 tokens, fused AdamW on half the
-# params, grad clip; no communication); a range where repeated runs differed.
-MEASURED_FLOORS_2026_12_01 = {
-    "h200x2_llama70b_4layers": (426.5, 428.8),
-    "h200x2_qwen3_30b_a3b_4layers": (129.3, 129.3),
-}
-MEASURED_FLOORS_SOURCE = "1 H200, 2026-12-01: fwd+bwd + AdamW, no comm"
 # bench_ag's variant names -> comm modes, for its legacy headline.
 AG_VARIANT_MODES = {"stock": "fsdp2", "tide_auto": "tide", "tide_nccl_p2p_2x1": "tide_nccl_p2p"}
 
@@ -260,8 +251,8 @@ def step_config(r: Result) -> str:
 
 def step_floor(r: Result) -> Floor | None:
     """The compute floor of step result ``r``'s config: ``floor_ms`` of its rows, else of
-    the newest ``*_floor_<config>.json`` beside it, else the 2026-12-01 measurements
-    (``MEASURED_FLOORS_2026_12_01``); None where none is known."""
+    the newest ``*_floor_<config>.json`` (``bench_floor.py``) beside it; None where none
+    is known."""
     config = step_config(r)
     in_rows = [row["floor_ms"] for row in r.data.get("rows", []) if row.get("floor_ms")]
     if in_rows:
@@ -274,10 +265,16 @@ def step_floor(r: Result) -> Floor | None:
             continue
         if floor:
             return Floor(float(floor), float(floor), path.name)
-    if config in MEASURED_FLOORS_2026_12_01:
-        low, high = MEASURED_FLOORS_2026_12_01[config]
-        return Floor(low, high, MEASURED_FLOORS_SOURCE)
     return None
+
+
+def floor_label_source(source: str) -> str:
+    """A short name of a floor's source for the figure: ``bench_floor <date> @<commit>``
+    for a result file named ``<date>_<machine>_<commit>_floor_<config>.json``."""
+    parts = source.split("_")
+    if source.endswith(".json") and "_floor_" in source and len(parts) > 3:
+        return f"bench_floor {parts[0]} @{parts[2]}"
+    return source
 
 
 def step_panels(results: Sequence[Result]) -> list[dict[str, Any]]:
@@ -341,13 +338,14 @@ def write_step_figure(path: Path, panels: Sequence[Mapping[str, Any]], title: st
             else:
                 label = f"compute floor {floor.low:.0f} ms"
             ax.axhline(floor.low, color="black", ls="--", lw=1)
-            ax.text(-0.45, top * 0.995, f"- - {label}\n({floor.source})", ha="left", va="top",
-                    fontsize=7, color="#222222")  # fmt: skip
+            ax.text(-0.45, top * 0.995, f"- - {label}\n({floor_label_source(floor.source)})",
+                    ha="left", va="top", fontsize=7, color="#222222")  # fmt: skip
         else:
             ax.text(-0.45, top * 0.995, "compute floor not measured", ha="left", va="top",
                     fontsize=7, color="#222222")  # fmt: skip
         ax.set_xticks(range(len(modes)))
-        ax.set_xticklabels([m.replace("+", "\n+") for m in modes], fontsize=8)
+        ax.set_xticklabels([m.replace("+", "\n+") for m in modes], fontsize=8, rotation=20,
+                           ha="right", rotation_mode="anchor")  # fmt: skip
         ax.set_ylim(0, top)
         ax.set_title(panel["title"], fontsize=9)
         ax.spines[["top", "right"]].set_visible(False)
@@ -499,9 +497,10 @@ def write_report(results: Sequence[Result], out_dir: Path) -> Path:
     stem = common.result_stem(out_dir, "report", meta)
     png = Path(str(stem) + ".png")
     panels = step_panels(measured)
+    step_machines = sorted({str(r.meta.get("machine")) for r in measured if r.kind == "step"})
     wrote_png = bool(panels) and write_step_figure(
-        png, panels, f"Training step time per comm mode, {meta['machine']} "
-        "(lower is better; speed-up vs fsdp2 on the bars)"
+        png, panels, f"Training step time per comm mode, {' / '.join(step_machines)} "
+        "(lower is better; speed-up vs fsdp2 on the bars; compute floor on one GPU)"
     )
     text = render(results, out_dir, png if wrote_png else None)
     md = Path(str(stem) + ".md")
