@@ -231,6 +231,21 @@ def _random_grads(model, dtype, gen, skip=("unused",)) -> dict[str, torch.Tensor
     return out
 
 
+def _add_reference(
+    mine: dict[str, torch.Tensor],
+    world: int,
+    total: dict[str, torch.Tensor],
+    magnitude: dict[str, torch.Tensor],
+) -> None:
+    """Add every rank's gradients of one reduce, in float64, to the mean ``total`` and to
+    ``magnitude`` (mean of |terms|, which bounds the fp32 rounding)."""
+    for name, g in mine.items():
+        gathered = [torch.empty_like(g, dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(gathered, g.double())
+        total[name] = total.get(name, 0) + sum(gathered) / world
+        magnitude[name] = magnitude.get(name, 0) + sum(t.abs() for t in gathered) / world
+
+
 def _numerics_worker(
     rank: int, world: int, options: dict, param_dtype, reduce_dtype=torch.float32
 ) -> None:
@@ -253,11 +268,8 @@ def _numerics_worker(
     for _ in range(2):  # the second reduce accumulates into the existing .grad
         mine = _random_grads(model, grad_dtype, gen)
         _reduce(model, mine)
+        _add_reference(mine, world, total, magnitude)
         for name, g in mine.items():
-            gathered = [torch.empty_like(g, dtype=torch.float64) for _ in range(world)]
-            dist.all_gather(gathered, g.double())
-            total[name] = total.get(name, 0) + sum(gathered) / world
-            magnitude[name] = magnitude.get(name, 0) + sum(t.abs() for t in gathered) / world
             param = dict(model.named_parameters())[name]
             local = param.grad.to_local()
             rows = local.shape[0]
@@ -328,11 +340,7 @@ def _hsdp_worker(rank: int, world: int) -> None:
         model.set_requires_all_reduce(sync)
         mine = _random_grads(model, torch.bfloat16, gen)
         _reduce(model, mine)
-        for name, g in mine.items():
-            gathered = [torch.empty_like(g, dtype=torch.float64) for _ in range(world)]
-            dist.all_gather(gathered, g.double())
-            total[name] = total.get(name, 0) + sum(gathered) / world
-            magnitude[name] = magnitude.get(name, 0) + sum(t.abs() for t in gathered) / world
+        _add_reference(mine, world, total, magnitude)
     shard_rank = mesh.get_local_rank("shard")
     for name, param in model.named_parameters():
         if name == "unused":
