@@ -193,7 +193,27 @@ def _cases(rank: int, world: int) -> None:
     _step(model)
     comm.remove(model)
 
-    # 8. replicate() (replicate-only mesh): FSDP2's path, logged, no assertion.
+    # 8. FSDP roots (each has its own reduce-scatter stream on GPU): the outermost FSDP
+    # module around a group; blocks sharded without the top module are roots each.
+    top = _model()
+    assert set(fsdp_internals.group_root_fqns(top).values()) == {"<root>"}
+    torch.manual_seed(0)
+    blocks = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    for layer in blocks:
+        fully_shard(layer)
+    roots = fsdp_internals.group_root_fqns(blocks)
+    assert sorted(roots.values()) == ["0", "1"]
+    # Caches keyed by process group die with the last TIDE model (no stale peers for a
+    # group created later at a reused address).
+    from torchtitan_tide.comm import transport
+
+    comm.apply(top, "tide")
+    _step(top)
+    assert transport._GLOBAL_RANKS
+    comm.remove(top)
+    assert fsdp_patch.installed_refcount() == 0 and not transport._GLOBAL_RANKS
+
+    # 9. replicate() (replicate-only mesh): FSDP2's path, logged, no assertion.
     replicate = pytest.importorskip("torch.distributed._composable.replicate_with_fsdp").replicate
     torch.manual_seed(0)
     rep = replicate(nn.Linear(8, 8))
