@@ -50,6 +50,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from .transport import group_global_ranks
+
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "EXIT_CODE",
@@ -404,15 +406,10 @@ def watch_stream(
         _active.watch(operation, group, peers, event.query)
 
 
-_GROUP_RANKS: dict[int, tuple[int, ...]] = {}
-
-
 def group_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
-    """Global ranks of ``group`` (cached: used on the all-gather path)."""
-    key = id(group)
-    if key not in _GROUP_RANKS:
-        _GROUP_RANKS[key] = tuple(dist.get_process_group_ranks(group))
-    return _GROUP_RANKS[key]
+    """Global ranks of ``group`` (the transports' cache, keyed by the group object and
+    cleared with the last TIDE model: no stale ranks for a group at a reused address)."""
+    return group_global_ranks(group)
 
 
 def wait_works(

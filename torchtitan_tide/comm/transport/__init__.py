@@ -30,20 +30,28 @@ import torch.distributed as dist
 
 from ..plan import GroupPlan, RSRound, RSSegment, WorldLayout
 
-__all__ = ["AllGatherTransport", "ReduceScatterTransport", "clear_global_ranks", "global_rank"]
+__all__ = [
+    "AllGatherTransport", "ReduceScatterTransport", "clear_global_ranks", "global_rank",
+    "group_global_ranks",
+]  # fmt: skip
 
 # Keyed by the group object itself (a strong reference: no other group can reuse
 # its address while it is here); cleared when the last TIDE model is removed.
-_GLOBAL_RANKS: dict[dist.ProcessGroup, list[int]] = {}
+_GLOBAL_RANKS: dict[dist.ProcessGroup, tuple[int, ...]] = {}
+
+
+def group_global_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
+    """``dist.get_process_group_ranks(group)``, cached per group (on every collective's
+    path: point-to-point peers, watchdog reports)."""
+    ranks = _GLOBAL_RANKS.get(group)
+    if ranks is None:
+        ranks = _GLOBAL_RANKS[group] = tuple(dist.get_process_group_ranks(group))
+    return ranks
 
 
 def global_rank(group: dist.ProcessGroup, group_rank: int) -> int:
-    """``dist.get_global_rank(group, group_rank)``, cached per group: point-to-point
-    calls take global ranks, and the lookup is on every all-gather's path."""
-    ranks = _GLOBAL_RANKS.get(group)
-    if ranks is None:
-        ranks = _GLOBAL_RANKS[group] = dist.get_process_group_ranks(group)
-    return ranks[group_rank]
+    """``dist.get_global_rank(group, group_rank)``, through :func:`group_global_ranks`."""
+    return group_global_ranks(group)[group_rank]
 
 
 def clear_global_ranks() -> None:
