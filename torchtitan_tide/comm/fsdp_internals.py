@@ -160,11 +160,6 @@ def param_fqn(fsdp_param) -> str:
     return getattr(fsdp_param, "_param_fqn", None) or f"param{tuple(fsdp_param._orig_size)}"
 
 
-def shard_numels(param_group) -> list[int]:
-    """Padded shard numel of every parameter of the group, in order."""
-    return [fp._sharded_param_data.numel() for fp in param_group.fsdp_params]
-
-
 def shard_bytes(param_group, which: str, align: int = 1) -> int:
     """Bytes of one rank's shards of a group, each parameter rounded up to
     ``align`` bytes. ``which="param"``: in the all-gather dtype, which is also

@@ -102,19 +102,20 @@ def _tide_state_for(fsdp_params, group) -> TideGroupState | None:
     if any(fp.sharded_state != ShardedState.SHARDED for fp in fsdp_params):
         return None
     if getattr(param_group, "_all_gather_comm", None) is not state.fsdp_comm:
-        _warn_custom_comm(param_group, state.fqn, "all-gather")
+        _warn_custom_all_gather(param_group, state.fqn)
         return None
     return state
 
 
-def _warn_custom_comm(param_group, fqn: str, which: str) -> None:
-    """A custom comm set on a TIDE group after install wins: FSDP2's path, said once."""
+def _warn_custom_all_gather(param_group, fqn: str) -> None:
+    """A custom all-gather set on a TIDE group after install wins: FSDP2's path, said
+    once (a custom reduce-scatter is one of ``_rs_stock_reason``'s logged reasons)."""
     if not getattr(param_group, "_tide_custom_comm_logged", False):
         param_group._tide_custom_comm_logged = True
         logger.warning(
-            "TIDE %s: %s set after comm.apply (set_custom_all_gather / "
-            "set_custom_reduce_scatter); FSDP2's path runs it from now on",
-            fqn, fsdp_internals.custom_comm_reason(param_group) or f"custom {which}",
+            "TIDE %s: %s set after comm.apply (set_custom_all_gather); FSDP2's path runs "
+            "it from now on",
+            fqn, fsdp_internals.custom_comm_reason(param_group) or "a custom all-gather",
         )  # fmt: skip
 
 
@@ -147,7 +148,8 @@ def _foreach_all_gather_copy_out(all_gather_result, fsdp_params, group, *args, *
     )
 
 
-def _rs_state_for(fsdp_params, reduce_scatter_group) -> TideRSState | None:
+def _rs_state_for(fsdp_params, reduce_scatter_group) -> tuple[TideRSState, object] | None:
+    """``(TIDE-RS state, FSDPParamGroup)`` of a reduce of a TIDE-RS group, else None."""
     if not fsdp_params:
         return None
     ref = _groups_by_param.get(id(fsdp_params[0]))
@@ -158,15 +160,17 @@ def _rs_state_for(fsdp_params, reduce_scatter_group) -> TideRSState | None:
     members = {id(fp) for fp in param_group.fsdp_params}
     if any(id(fp) not in members for fp in fsdp_params):
         return None
-    return state
+    return state, param_group
 
 
-def _rs_stock_reason(state: TideRSState, fsdp_params, unsharded_grads, a: dict) -> str | None:
-    """Why this reduce of a TIDE-RS group must take FSDP2's path, or None. Raises when
-    that would mix the two paths' partial sums of HSDP microbatches without all-reduce
-    (TIDE's are divided already, FSDP2's are not: a silent scale error)."""
-    param_group = _groups_by_param[id(fsdp_params[0])]()
-    reason = None
+def _rs_stock_reason(
+    state: TideRSState, param_group, fsdp_params, unsharded_grads, a: dict
+) -> tuple[str | None, int]:
+    """``(why this reduce must take FSDP2's path or None, TIDE-RS rows per round)``.
+    Raises when FSDP2's path would mix the two paths' partial sums of HSDP
+    microbatches without all-reduce (TIDE's are divided already, FSDP2's are not:
+    a silent scale error)."""
+    reason, rows = None, 0
     if getattr(param_group, "_reduce_scatter_comm", None) is not state.fsdp_comm:
         custom = fsdp_internals.custom_comm_reason(param_group) or "a custom reduce-scatter"
         reason = f"{custom} set after comm.apply (set_custom_reduce_scatter)"
@@ -177,7 +181,8 @@ def _rs_stock_reason(state: TideRSState, fsdp_params, unsharded_grads, a: dict) 
         )  # fmt: skip
     if reason is None:
         shard_numel = sum(fp._sharded_param_data.numel() for fp in fsdp_params)
-        if rows_per_round(state, shard_numel, unsharded_grads[0].element_size()) == 0:
+        rows = rows_per_round(state, shard_numel, unsharded_grads[0].element_size())
+        if rows == 0:
             reason = (
                 f"{shard_numel} x {unsharded_grads[0].dtype} gradients per shard do not fit "
                 "one staging row of the copy-engine slots"
@@ -192,21 +197,20 @@ def _rs_stock_reason(state: TideRSState, fsdp_params, unsharded_grads, a: dict) 
         )
     if reason is None and pending and not state.partial_from_tide:
         reason = "a partial sum of microbatches from FSDP2's path is pending (HSDP)"
-    return reason
+    return reason, rows
 
 
 def _foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, *args, **kwargs):
-    state = _rs_state_for(fsdp_params, reduce_scatter_group)
-    if state is not None:
+    found = _rs_state_for(fsdp_params, reduce_scatter_group)
+    if found is not None:
+        state, param_group = found
         call = fsdp_internals.REDUCE_SIGNATURE.bind(
             fsdp_params, unsharded_grads, reduce_scatter_group, *args, **kwargs
         )
         call.apply_defaults()
         a = call.arguments
-        reason = _rs_stock_reason(state, fsdp_params, unsharded_grads, a)
+        reason, rows = _rs_stock_reason(state, param_group, fsdp_params, unsharded_grads, a)
         if reason is None:
-            shard_numel = sum(fp._sharded_param_data.numel() for fp in fsdp_params)
-            rows = rows_per_round(state, shard_numel, unsharded_grads[0].element_size())
             if state.calls == 0 and (note := rs_numerics_note(
                 unsharded_grads, a["reduce_dtype"], a["orig_dtype"]
             )):  # fmt: skip

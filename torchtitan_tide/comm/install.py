@@ -30,7 +30,7 @@ from .memory_plan import slot_sizes
 from .options import TideOptions
 from .plan import ParamSpec, WorldLayout, build_group_plan
 from .reduce_scatter import RSBuffers, TideRSState
-from .transport import AllGatherTransport, ReduceScatterTransport
+from .transport import AllGatherTransport, ReduceScatterTransport, group_global_ranks
 from .transport.copy_engine import CopyEngineTransport, SymmSlots
 from .transport.p2p import P2PTransport
 
@@ -276,8 +276,9 @@ def _connect_slots(
     ag_slots: dict = {}
     rs_slots: dict = {}
     for key, p in pending.items():
-        global_ranks = dist.get_process_group_ranks(p.group)
-        node_group = topology.make_node_local_group(p.group, p.layout, global_ranks)
+        node_group = topology.make_node_local_group(
+            p.group, p.layout, group_global_ranks(p.group)
+        )
         if node_group is None:
             raise RuntimeError(
                 "the copy engine across nodes needs a node-local process group, and "
@@ -318,7 +319,6 @@ def _mark_groups(
     buffers_by_key: dict[tuple[int, torch.device], RSBuffers] = {}
     for c in cands:
         key = (id(c.group), c.device)
-        global_ranks = tuple(dist.get_process_group_ranks(c.group))
         transport: AllGatherTransport
         if c.kind == "copy_engine":
             transport = CopyEngineTransport(ag_slots[key])
@@ -361,7 +361,6 @@ def _mark_groups(
                 rows=options.rs_rows,
                 ctas=options.rs_ctas,
                 use_tide_stream=on_tide_stream,
-                global_ranks=global_ranks,
                 fsdp_comm=getattr(c.pg, "_reduce_scatter_comm", None),
             ),
         )

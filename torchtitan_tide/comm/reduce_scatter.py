@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from . import kernels, streams, watchdog
 from .plan import RSRound, WorldLayout, rs_cross_node_peers, rs_schedule, rs_segments
-from .transport import ReduceScatterTransport
+from .transport import ReduceScatterTransport, global_rank
 
 __all__ = [
     "RSBuffers",
@@ -132,7 +132,6 @@ class TideRSState:
     rows: int
     ctas: int
     use_tide_stream: bool
-    global_ranks: tuple[int, ...] = ()  # global rank of every group rank (p2p peers)
     # The group's FSDP2 reduce-scatter comm object at install (see TideGroupState).
     fsdp_comm: object = None
     calls: int = 0
@@ -284,7 +283,7 @@ def _cross_node_step(
         cross.wait_stream(torch.cuda.current_stream(device))
     with _stream_ctx(cross):
         recv = state.buffers.take_recv(out.numel(), device)
-        peers = (state.global_ranks[send_peer], state.global_ranks[recv_peer])
+        peers = (global_rank(group, send_peer), global_rank(group, recv_peer))
         ops = [
             dist.P2POp(dist.isend, partial, peers[0], group),
             dist.P2POp(dist.irecv, recv, peers[1], group),
