@@ -45,6 +45,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common
 import step_breakdown
+from common import find_floor, load_floor
 
 REPO = Path(__file__).resolve().parents[2]
 TRACE_FOLDER = "profile_traces"
@@ -147,38 +148,6 @@ BREAKDOWN_COLUMNS = [
     ("bd_comm_busy_ms", "comm streams busy ms"),
     ("bd_comm_hidden_ms", "comm hidden under compute ms"),
 ]
-
-
-def find_floor(results_dir: str | Path, config: str) -> Path | None:
-    """The newest ``*_floor_<config>.json`` under ``results_dir`` (metadata date, then
-    file name); None when there is none."""
-    found = []
-    for path in Path(results_dir).glob(f"*_floor_{config}.json"):
-        try:
-            date = str(json.loads(path.read_text()).get("metadata", {}).get("date", ""))
-        except (OSError, json.JSONDecodeError):
-            continue
-        found.append((date, path.name, path))
-    return max(found)[2] if found else None
-
-
-def load_floor(path: str | Path) -> dict[str, Any]:
-    """``floor_ms`` and provenance of a ``bench_floor.py`` result. Raises ``ValueError``
-    naming the file when it has no ``floor_ms``."""
-    data = json.loads(Path(path).read_text())
-    floor_ms = data.get("floor_ms")
-    if isinstance(floor_ms, bool) or not isinstance(floor_ms, (int, float)) or floor_ms <= 0:
-        raise ValueError(f"{path}: no top-level floor_ms (not a bench_floor.py result?)")
-    meta = data.get("metadata") or {}
-    return {
-        "floor_ms": float(floor_ms),
-        "file": Path(path).name,
-        "config": data.get("config"),
-        "machine": meta.get("machine"),
-        "commit": meta.get("commit"),
-        "date": meta.get("date"),
-        "world_size": data.get("world_size", meta.get("world_size")),
-    }
 
 
 def profile_from_traces(

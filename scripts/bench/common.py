@@ -595,3 +595,41 @@ def layout_conversion(events: Iterable[Mapping[str, Any]], steps: int = 1) -> di
     out["total_ms"] = sum(out[f"{name}_ms"] for name in LAYOUT_KERNELS)
     out["rows"] = count
     return out
+
+
+def floor_files(results_dir: str | Path, config: str) -> list[Path]:
+    """The ``*_floor_<config>.json`` (``bench_floor.py``) results under ``results_dir``,
+    newest first (metadata date, then file name); unreadable files left out."""
+    found = []
+    for path in Path(results_dir).glob(f"*_floor_{config}.json"):
+        try:
+            date = str(json.loads(path.read_text()).get("metadata", {}).get("date", ""))
+        except (OSError, json.JSONDecodeError, AttributeError):
+            continue
+        found.append((date, path.name, path))
+    return [path for _, _, path in sorted(found, reverse=True)]
+
+
+def find_floor(results_dir: str | Path, config: str) -> Path | None:
+    """The newest ``*_floor_<config>.json`` under ``results_dir``; None when there is none."""
+    files = floor_files(results_dir, config)
+    return files[0] if files else None
+
+
+def load_floor(path: str | Path) -> dict[str, Any]:
+    """``floor_ms`` and provenance of a ``bench_floor.py`` result. Raises ``ValueError``
+    naming the file when it has no ``floor_ms``."""
+    data = json.loads(Path(path).read_text())
+    floor_ms = data.get("floor_ms")
+    if isinstance(floor_ms, bool) or not isinstance(floor_ms, (int, float)) or floor_ms <= 0:
+        raise ValueError(f"{path}: no top-level floor_ms (not a bench_floor.py result?)")
+    meta = data.get("metadata") or {}
+    return {
+        "floor_ms": float(floor_ms),
+        "file": Path(path).name,
+        "config": data.get("config"),
+        "machine": meta.get("machine"),
+        "commit": meta.get("commit"),
+        "date": meta.get("date"),
+        "world_size": data.get("world_size", meta.get("world_size")),
+    }

@@ -257,14 +257,12 @@ def step_floor(r: Result) -> Floor | None:
     in_rows = [row["floor_ms"] for row in r.data.get("rows", []) if row.get("floor_ms")]
     if in_rows:
         return Floor(min(in_rows), max(in_rows), f"{r.path.name} rows")
-    files = sorted(r.path.parent.glob(f"*_floor_{config}.json"))
-    for path in reversed(files):
+    for path in common.floor_files(r.path.parent, config):
         try:
-            floor = json.loads(path.read_text()).get("floor_ms")
-        except (OSError, ValueError, AttributeError):
+            floor_ms = common.load_floor(path)["floor_ms"]
+        except ValueError:  # no floor_ms: try the next older one
             continue
-        if floor:
-            return Floor(float(floor), float(floor), path.name)
+        return Floor(floor_ms, floor_ms, path.name)
     return None
 
 
