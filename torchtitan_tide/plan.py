@@ -101,7 +101,7 @@ class ConfigModel:
     total_numel: int
     active_numel: int
     """Parameters one token's forward multiplies with: no embedding tables, MoE experts
-    weighted by top_k / num_experts (the projection scales compute with it)."""
+    weighted by top_k / num_experts (the simulator's FLOPs fallback uses it)."""
     dtypes: CommDtypes
     tide: Tide
     """The validated ``[tide]`` section (defaults where absent)."""
