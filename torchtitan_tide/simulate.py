@@ -42,13 +42,13 @@ import json
 import math
 import statistics
 import sys
-import tomllib
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from torchtitan_tide.comm.memory_plan import MODES, GroupShape, group_shard_numel
+from torchtitan_tide.config import tomllib
 from torchtitan_tide.simulate_engine import COMPUTE, Op, Span, simulate, summarize
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,7 +100,9 @@ WORLD1_STEP = {
 }  # fmt: skip
 WORLD1_SOURCE = "issue 21: bench_step at world 1 on one H200 (8d17df0), profiled step breakdown"
 REFERENCE_CONFIGS = tuple(
-    f"{m}_{c}" for m in ("llama70b", "qwen3_30b_a3b", "wan22_a14b") for c in ("fsdp2", "symm_mem", "tide")
+    f"{m}_{c}"
+    for m in ("llama70b", "qwen3_30b_a3b", "wan22_a14b")
+    for c in ("fsdp2", "symm_mem", "tide")
 )
 AC_FACTOR = {"none": 0.0, "selective": 0.0, "full": 1.0}  # forwards recomputed in backward
 
@@ -200,13 +202,17 @@ def _read(results_dir: Path, name: str) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise SimulateError(f"{path}: missing (a committed benchmark result the simulator reads)") from None
+        raise SimulateError(
+            f"{path}: missing (a committed benchmark result the simulator reads)"
+        ) from None
 
 
 def newest_trace(results_dir: Path, config: str) -> Path | None:
     """The newest ``*_trace_<config>.json`` (``bench_trace.py``) under ``results_dir``."""
     found = sorted(results_dir.glob(f"*_trace_{config}.json"))
-    dated = [(json.loads(p.read_text()).get("metadata", {}).get("date", ""), p.name, p) for p in found]
+    dated = [
+        (json.loads(p.read_text()).get("metadata", {}).get("date", ""), p.name, p) for p in found
+    ]
     return max(dated)[2] if dated else None
 
 
@@ -240,7 +246,9 @@ def interference_fractions(results_dir: Path, shape_class: str) -> tuple[dict, s
     return out, f"{INTERFERENCE_FILE}, GEMM {shape_class} beside AG/RS (tide_ag: tide AG, fsdp2 RS)"
 
 
-def layout_costs(results_dir: Path, trace_config: str, groups: Sequence[GroupShape]) -> tuple[dict, str]:
+def layout_costs(
+    results_dir: Path, trace_config: str, groups: Sequence[GroupShape]
+) -> tuple[dict, str]:
     """ns per element of each layout kernel (profiled fsdp2 / symm_mem steps of
     ``trace_config`` on 2 GPUs): copy-out and chunk_cat per unsharded element and
     gather / reduce, copy-in per shard element and gather."""
@@ -305,7 +313,9 @@ def compute_from_trace(
     for group in groups:
         if group.name == "root":
             continue
-        src = by_name.get(group.name) or (median_layer if group.name.startswith("layers.") else None)
+        src = by_name.get(group.name) or (
+            median_layer if group.name.startswith("layers.") else None
+        )
         if src is None:
             raise SimulateError(f"the trace has no group {group.name!r} (it has {sorted(by_name)})")
         fwd, bwd = scale * src["fwd_ms"], scale * src["bwd_ms"]
@@ -313,7 +323,9 @@ def compute_from_trace(
     return out, scale * trace["root_fwd_ms"], scale * trace["root_bwd_ms"]
 
 
-def compute_from_flops(cm: Any, tokens: int, mfu: float, recompute: bool) -> dict[str, GroupCompute]:
+def compute_from_flops(
+    cm: Any, tokens: int, mfu: float, recompute: bool
+) -> dict[str, GroupCompute]:
     """Without a trace: 2 x active params x tokens per forward, 4 x per backward, at
     ``mfu`` of the H200's dense bf16 peak."""
     out = {}
@@ -333,7 +345,11 @@ def build_inputs(cm: Any, results_dir: Path, trace_path: str | Path | None, mfu:
     tokens = tokens_per_gpu(cm.table, cm.model_args)
     ac = cm.table.get("activation_checkpoint", {}).get("mode", "selective")
     sources: dict[str, str] = {}
-    path = Path(trace_path) if trace_path else (newest_trace(results_dir, trace_config) if trace_config else None)
+    path = (
+        Path(trace_path)
+        if trace_path
+        else (newest_trace(results_dir, trace_config) if trace_config else None)
+    )
     if path is not None:
         trace = json.loads(Path(path).read_text())
         from torchtitan_tide.config import load_toml
@@ -346,7 +362,9 @@ def build_inputs(cm: Any, results_dir: Path, trace_path: str | Path | None, mfu:
         recompute = AC_FACTOR.get(ac, 0.0) > AC_FACTOR.get(traced_ac, 0.0)
         compute, root_fwd, root_bwd = compute_from_trace(trace, cm.groups, scale, recompute)
         shard_elems = sum(math.ceil(g["params"] / trace["world_size"]) for g in trace["groups"])
-        opt = (trace["adamw_ms"] + trace["clip_ms"]) / max(1, trace["work"]["shard_params"] or shard_elems)
+        opt = (trace["adamw_ms"] + trace["clip_ms"]) / max(
+            1, trace["work"]["shard_params"] or shard_elems
+        )
         sources["compute"] = (f"trace {Path(path).name} (bench_trace, {trace['metadata']['machine']}), "
                               f"x {scale:.3f} tokens per GPU" + (", + forward recompute (full AC)" if recompute else ""))  # fmt: skip
         sources["optimizer"] = f"trace {Path(path).name}: AdamW + clip ms per shard element"
@@ -354,7 +372,9 @@ def build_inputs(cm: Any, results_dir: Path, trace_path: str | Path | None, mfu:
         recompute = AC_FACTOR.get(ac, 0.0) > 0
         compute, root_fwd, root_bwd = compute_from_flops(cm, tokens, mfu, recompute), 0.0, 0.0
         opt = 31.96 / 2_761_986_048  # the llama trace's AdamW + clip per element
-        sources["compute"] = f"FLOPs (2/4 x active params x tokens) at MFU {mfu} of {H200_BF16_FLOPS:.3g}"
+        sources["compute"] = (
+            f"FLOPs (2/4 x active params x tokens) at MFU {mfu} of {H200_BF16_FLOPS:.3g}"
+        )
         sources["optimizer"] = "h200x2_llama70b_4layers trace: AdamW + clip ms per shard element"
     host = WORLD1_STEP.get(trace_config or "", {}).get("host_ms", 0.0)
     sources["host"] = (f"{WORLD1_SOURCE}: host-bound + other idle of {trace_config}" if host
@@ -365,7 +385,9 @@ def build_inputs(cm: Any, results_dir: Path, trace_path: str | Path | None, mfu:
     interference, sources["interference"] = interference_fractions(results_dir, cls)
     sources["shape_class"] = why
     layout, sources["layout"] = layout_costs(results_dir, trace_config or "", cm.groups)
-    return Inputs(compute, root_fwd, root_bwd, opt, host, bandwidth, interference, layout, cls, sources)
+    return Inputs(
+        compute, root_fwd, root_bwd, opt, host, bandwidth, interference, layout, cls, sources
+    )
 
 
 # ----------------------------------------------------------------- comm durations
@@ -390,7 +412,9 @@ def stock_ms(shard_bytes: float, lay: Layout, bus_gibps: float, net_gibps: float
     return 1e3 * (lay.world - 1) * shard_bytes / (bw * GIB)
 
 
-def hierarchical_ms(shard_bytes: float, lay: Layout, local_gibps: float, net_gibps: float) -> tuple[float, float]:
+def hierarchical_ms(
+    shard_bytes: float, lay: Layout, local_gibps: float, net_gibps: float
+) -> tuple[float, float]:
     """(cross-node, node-local) ms of a hierarchical gather: ``(N-1) * shard`` over the
     network, then ``(L-1) * N * shard`` over NVLink."""
     cross = 1e3 * (lay.nodes - 1) * shard_bytes / (net_gibps * GIB)
@@ -414,7 +438,11 @@ def build_ops(
     if mode not in MODES:
         raise SimulateError(f"mode {mode!r}: choose from {MODES}")
     comm = lay.world > 1
-    bw, slow, lay_ns = inputs.bandwidth_gibps.get(mode, {}), inputs.interference.get(mode, {}), inputs.layout_ns.get(mode, {})
+    bw, slow, lay_ns = (
+        inputs.bandwidth_gibps.get(mode, {}),
+        inputs.interference.get(mode, {}),
+        inputs.layout_ns.get(mode, {}),
+    )
     net = cluster.net_gibps
     names = [g.name for g in groups]
     ops: list[Op] = []
@@ -456,13 +484,17 @@ def build_ops(
         copy_out = lay_ns.get("copy_out", 0.0) * g.numel / 1e6
         if not copy_out:
             return [ag]
-        return [add(f"{g.name}.{tag}.copy_out", COMPUTE, copy_out, "layout", after=[ag], group=g.name)]
+        return [
+            add(f"{g.name}.{tag}.copy_out", COMPUTE, copy_out, "layout", after=[ag], group=g.name)
+        ]
 
     # forward: group i+1's all-gather is issued as group i's forward starts
     pending = {groups[0].name: gather(groups[0], "fwd", [])}
     for i, g in enumerate(groups):
         after = consume(g, pending[g.name], "fwd")
-        fwd = add(f"{g.name}.fwd", COMPUTE, comp[g.name].fwd_ms, "compute", after=after, group=g.name)
+        fwd = add(
+            f"{g.name}.fwd", COMPUTE, comp[g.name].fwd_ms, "compute", after=after, group=g.name
+        )
         if i + 1 < len(groups):
             pending[names[i + 1]] = gather(groups[i + 1], "fwd", [fwd])
     add("root.fwd_rest", COMPUTE, inputs.root_fwd_ms, "compute", group="root")
@@ -478,14 +510,20 @@ def build_ops(
     rs_net: list[str] = []
     for k, g in enumerate(order):
         after = consume(g, bwd_ag[g.name], "bwd") if g.reshard_after_forward else []
-        bwd = add(f"{g.name}.bwd", COMPUTE, comp[g.name].bwd_ms, "compute", after=after, group=g.name)
+        bwd = add(
+            f"{g.name}.bwd", COMPUTE, comp[g.name].bwd_ms, "compute", after=after, group=g.name
+        )
         if k + 1 < len(order) and order[k + 1].reshard_after_forward:
             bwd_ag[order[k + 1].name] = gather(order[k + 1], "bwd", [bwd])
         if not comm:
             continue
         s = group_shard_numel(g, lay.world)
         chunk = lay_ns.get("chunk_cat", 0.0) * g.numel / 1e6
-        src = add(f"{g.name}.chunk_cat", COMPUTE, chunk, "layout", after=[bwd], group=g.name) if chunk else bwd
+        src = (
+            add(f"{g.name}.chunk_cat", COMPUTE, chunk, "layout", after=[bwd], group=g.name)
+            if chunk
+            else bwd
+        )
         if mode != "tide":
             ms = stock_ms(s * dtypes.reduce_bytes, lay, bw["rs"], net)
             rs_done.append(add(f"{g.name}.rs", "nccl", ms, "rs", after=[src], group=g.name))
@@ -500,12 +538,16 @@ def build_ops(
         rs_net.append(add(f"{g.name}.rs_net", "rs_net", cross, "net", after=[local], group=g.name))
         rs_done.append(rs_net[-1])
     shard = sum(group_shard_numel(g, lay.world) if comm else g.numel for g in groups)
-    add("optimizer", COMPUTE, inputs.optimizer_ms_per_shard_elem * shard, "optimizer", after=rs_done)
+    add(
+        "optimizer", COMPUTE, inputs.optimizer_ms_per_shard_elem * shard, "optimizer", after=rs_done
+    )
     add("host", COMPUTE, inputs.host_ms, "host")
     return ops
 
 
-def simulate_step(groups, inputs, mode, lay, cluster, dtypes, rs_inflight=2) -> tuple[dict, list[Span]]:
+def simulate_step(
+    groups, inputs, mode, lay, cluster, dtypes, rs_inflight=2
+) -> tuple[dict, list[Span]]:
     """(summary figures, spans) of one simulated step."""
     spans = simulate(build_ops(groups, inputs, mode, lay, cluster, dtypes, rs_inflight))
     return summarize(spans), spans
@@ -543,7 +585,9 @@ def simulate_config(
     lay = layout_for(cm, gpus, cluster)
     rows, spans = [], {}
     for mode in modes:
-        fig, sp = simulate_step(cm.groups, inputs, mode, lay, cluster, cm.dtypes, cm.tide.rs_inflight)
+        fig, sp = simulate_step(
+            cm.groups, inputs, mode, lay, cluster, cm.dtypes, cm.tide.rs_inflight
+        )
         rows.append({"config": cm.path.stem, "gpus": gpus, "nodes": lay.nodes, "mode": mode,
                      **{f"sim_{k}": v for k, v in fig.items()}})  # fmt: skip
         spans[mode] = sp
@@ -564,7 +608,9 @@ def inputs_record(inputs: Inputs) -> dict[str, Any]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m torchtitan_tide.simulate", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m torchtitan_tide.simulate", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--config", help="training TOML: a name in train_configs/ or a path")
     p.add_argument("--gpus", type=int, help="total GPUs of the run")
     p.add_argument("--trace", help="bench_trace.py JSON (default: the newest of the same model)")
@@ -587,7 +633,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.report:
             from torchtitan_tide import simulate_report
 
-            for kind, path in simulate_report.write_report(Path(args.results_dir), Path(args.out_dir), cluster).items():
+            for kind, path in simulate_report.write_report(
+                Path(args.results_dir), Path(args.out_dir), cluster
+            ).items():
                 print(f"wrote {kind}: {path}")
             return 0
         if not args.config or not args.gpus:
@@ -595,13 +643,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         if bad := [m for m in modes if m not in MODES]:
             parser.error(f"--modes {bad}: choose from {list(MODES)}")
-        result = simulate_config(args.config, args.gpus, modes, cluster, Path(args.results_dir), args.trace, args.mfu)
+        result = simulate_config(
+            args.config, args.gpus, modes, cluster, Path(args.results_dir), args.trace, args.mfu
+        )
     except (ValueError, FileNotFoundError) as exc:  # SimulateError, PlanError
         parser.error(str(exc))
     rows = result["rows"]
     print(f"Simulated step (a SIMULATION, not a measurement): {args.config} at {args.gpus} GPUs "
           f"({rows[0]['nodes']} node(s)), cluster: {cluster.name}")  # fmt: skip
-    print("| mode | step ms | speed-up vs fsdp2 | exposed ms (first/between/last) | SM-ms taken | layout ms |")
+    print(
+        "| mode | step ms | speed-up vs fsdp2 | exposed ms (first/between/last) | SM-ms taken | layout ms |"
+    )
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['mode']} | {r['sim_step_ms']:.1f} | {r.get('sim_speedup_vs_fsdp2', float('nan')):.3f} | "

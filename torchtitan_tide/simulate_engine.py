@@ -89,9 +89,7 @@ def simulate(ops: Sequence[Op]) -> list[Span]:
                 if i >= len(queue) or any(queue[i].name == r for r in remaining):
                     continue
                 op = queue[i]
-                if all(d in ended for d in op.after) and all(
-                    d in started for d in op.issued_with
-                ):
+                if all(d in ended for d in op.after) and all(d in started for d in op.issued_with):
                     started[op.name] = now
                     remaining[op.name] = op.duration_ms
                     progressed = True

@@ -86,9 +86,21 @@ def validation_rows(results_dir: Path, cluster: Cluster) -> list[dict[str, Any]]
         sim = simulate_config(config, 2, MODES, cluster, results_dir)
         for r in sim["rows"]:
             measured, source = measured_step(results_dir, config, r["mode"])
-            rows.append(_residual(config, r["mode"], 2, r["sim_step_ms"], measured, source, _missing(config, r["mode"])))
+            rows.append(
+                _residual(
+                    config,
+                    r["mode"],
+                    2,
+                    r["sim_step_ms"],
+                    measured,
+                    source,
+                    _missing(config, r["mode"]),
+                )
+            )
         if config in WORLD1_STEP:
-            one = simulate_config(config, 1, ["fsdp2"], cluster, results_dir, cm=sim["cm"], inputs=sim["inputs"])
+            one = simulate_config(
+                config, 1, ["fsdp2"], cluster, results_dir, cm=sim["cm"], inputs=sim["inputs"]
+            )
             r = one["rows"][0]
             w1 = WORLD1_STEP[config]
             row = _residual(config, "none (1 GPU)", 1, r["sim_step_ms"], w1["step_ms"], WORLD1_SOURCE,
@@ -124,7 +136,9 @@ def reference_rows(results_dir: Path, cluster: Cluster) -> tuple[list[dict], dic
         mode = selected_mode(cm.tide)
         modes = [mode, "tide_ag"] if mode == "tide" else [mode]
         for gpus in GPU_COUNTS:
-            for r in simulate_config(config, gpus, modes, cluster, results_dir, cm=cm, inputs=inp)["rows"]:
+            for r in simulate_config(config, gpus, modes, cluster, results_dir, cm=cm, inputs=inp)[
+                "rows"
+            ]:
                 if r["mode"] == "fsdp2":
                     fsdp2_step[(model, gpus)] = r["sim_step_ms"]
                 r["model"] = model
@@ -141,14 +155,18 @@ def sensitivity_rows(results_dir: Path, cluster: Cluster) -> list[dict[str, Any]
     from torchtitan_tide.plan import load_config_model
 
     rows = []
-    variants = [("nic_gbps_per_gpu", v, replace(cluster, nic_gbps_per_gpu=v)) for v in (100, 200, 400, 800)]
+    variants = [
+        ("nic_gbps_per_gpu", v, replace(cluster, nic_gbps_per_gpu=v)) for v in (100, 200, 400, 800)
+    ]
     variants += [("gpus_per_node", v, replace(cluster, gpus_per_node=v)) for v in (4, 8)]
     variants += [("nccl_hierarchical_ag", True, replace(cluster, nccl_hierarchical_ag=True))]
     for config in ("llama70b_fsdp2", "qwen3_30b_a3b_fsdp2"):
         cm = load_config_model(config)
         inp = build_inputs(cm, results_dir, None, 0.4)
         for knob, value, variant in variants:
-            for r in simulate_config(config, 64, MODES, variant, results_dir, cm=cm, inputs=inp)["rows"]:
+            for r in simulate_config(config, 64, MODES, variant, results_dir, cm=cm, inputs=inp)[
+                "rows"
+            ]:
                 rows.append({"model": model_of(config), "knob": knob, "value": value, **r})
     return rows
 
@@ -247,7 +265,11 @@ def draw_streams(path: Path, config: str, gpus: int, cluster: Cluster, results_d
         spans = sim["spans"][mode]
         row = next(r for r in sim["rows"] if r["mode"] == mode)
         for y, stream in enumerate(STREAM_ROWS):
-            bars = [(s.start_ms, s.end_ms - s.start_ms, s.op.kind) for s in spans if s.op.stream == stream]
+            bars = [
+                (s.start_ms, s.end_ms - s.start_ms, s.op.kind)
+                for s in spans
+                if s.op.stream == stream
+            ]
             for kind in {k for _, _, k in bars}:
                 ax.broken_barh([(a, w) for a, w, k in bars if k == kind], (y - 0.4, 0.8),
                                facecolors=COLORS.get(kind, "#999999"), edgecolor="white", linewidth=0.2)  # fmt: skip
@@ -270,4 +292,3 @@ def draw_streams(path: Path, config: str, gpus: int, cluster: Cluster, results_d
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
-

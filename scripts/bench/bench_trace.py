@@ -37,6 +37,14 @@ import common
 
 from torchtitan_tide.plan import fsdp_group_modules
 
+COLUMNS = [
+    ["group", "group"],
+    ["params", "params"],
+    ["fwd_ms", "fwd ms"],
+    ["bwd_ms", "bwd ms"],
+    ["reshard_after_forward", "reshard after fwd"],
+]
+
 
 class Marks:
     """Named time marks of one iteration: CUDA events on the current stream, or the
@@ -87,6 +95,7 @@ def install_marks(groups: Sequence[tuple[str, list, bool]], marks: Marks) -> lis
     handles = []
     for name, modules, _ in groups:
         first, last = modules[0], modules[-1]
+
         def before_forward(module, args, n=name):
             if marks.forward:  # not an activation-checkpoint recompute in backward
                 marks.mark(f"{n}.fwd0")
@@ -162,7 +171,7 @@ def run(args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, Any]:
         marks = Marks(device)
         install_marks(groups, marks)
         per_iter = [trace_iteration(work, groups, marks) for _ in range(args.warmup + args.iters)]
-        per_iter = per_iter[args.warmup:]
+        per_iter = per_iter[args.warmup :]
         optimizer = {
             v: common.median(bench_floor.time_iterations(
                 getattr(work, v), lambda: None, device, args.iters))
@@ -196,12 +205,9 @@ def run(args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, Any]:
         "adamw_ms": optimizer["adamw"],
         "clip_ms": optimizer["clip"],
         "iters": args.iters,
-        "tables": [{
-            "title": "Per FSDP group, one device (median ms)",
-            "columns": [["group", "group"], ["params", "params"], ["fwd_ms", "fwd ms"],
-                        ["bwd_ms", "bwd ms"], ["reshard_after_forward", "reshard after fwd"]],
-            "rows": rows,
-        }],  # fmt: skip
+        "tables": [
+            {"title": "Per FSDP group, one device (median ms)", "columns": COLUMNS, "rows": rows}
+        ],
         "headline": [],
     }
 

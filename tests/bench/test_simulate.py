@@ -161,7 +161,9 @@ def test_stock_ring_and_hierarchical_by_hand():
 def test_cluster_file(tmp_path):
     assert sim.load_cluster(None).gpus_per_node == 8
     good = tmp_path / "c.toml"
-    good.write_text('[cluster]\ngpus_per_node = 4\nnic_gbps_per_gpu = 200\nnccl_hierarchical_ag = true\n')
+    good.write_text(
+        "[cluster]\ngpus_per_node = 4\nnic_gbps_per_gpu = 200\nnccl_hierarchical_ag = true\n"
+    )
     c = sim.load_cluster(good)
     assert (c.gpus_per_node, c.nccl_hierarchical_ag) == (4, True)
     assert c.net_gibps == pytest.approx(200e9 / 8 / 2**30)
@@ -186,7 +188,9 @@ def test_validation_rows_carry_their_keys_and_explain_misses():
 
 def test_cli_prints_rows_and_sources(tmp_path, capsys):
     out = tmp_path / "rows.json"
-    assert sim.main(["--config", "h200x2_llama70b_4layers", "--gpus", "16", "--json", str(out)]) == 0
+    assert (
+        sim.main(["--config", "h200x2_llama70b_4layers", "--gpus", "16", "--json", str(out)]) == 0
+    )
     text = capsys.readouterr().out
     assert "SIMULATION" in text and "| tide |" in text and "compute: trace" in text
     rows = json.loads(out.read_text())["rows"]
