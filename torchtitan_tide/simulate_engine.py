@@ -116,18 +116,19 @@ def _rate(op: Op, running_kinds: set[str]) -> float:
 
 
 def merge(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Sorted union of intervals (empty ones dropped)."""
+    """Sorted union of half-open intervals (empty ones dropped). Also the profiled-step
+    breakdown's (scripts/bench/step_breakdown.py)."""
     out: list[list[float]] = []
-    for a, b in sorted(i for i in intervals if i[1] > i[0] + _EPS):
-        if out and a <= out[-1][1] + _EPS:
-            out[-1][1] = max(out[-1][1], b)
+    for start, end in sorted(i for i in intervals if i[1] > i[0]):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
         else:
-            out.append([a, b])
+            out.append([start, end])
     return [(a, b) for a, b in out]
 
 
-def overlap(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> float:
-    """Total length of the intersection of two merged interval lists."""
+def intersect_length(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> float:
+    """Total overlap of two merged interval lists."""
     total, i, j = 0.0, 0, 0
     while i < len(a) and j < len(b):
         lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
@@ -139,6 +140,20 @@ def overlap(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) 
     return total
 
 
+def idle_and_comm(spans: Sequence[Span]) -> tuple[list, list]:
+    """(compute-stream idle intervals up to the step's end, merged communication
+    intervals): where they meet, communication is exposed."""
+    step = max((s.end_ms for s in spans), default=0.0)
+    busy = merge((s.start_ms, s.end_ms) for s in spans if s.op.stream == COMPUTE)
+    idle, cursor = [], 0.0
+    for a, b in [*busy, (step, step)]:
+        if a > cursor:
+            idle.append((cursor, a))
+        cursor = max(cursor, b)
+    comm = merge((s.start_ms, s.end_ms) for s in spans if s.op.kind in COMM_KINDS)
+    return idle, comm
+
+
 def summarize(spans: Sequence[Span]) -> dict[str, float]:
     """Step figures of a simulated step: ``step_ms``; ``exposed_ms`` (the compute stream
     idle while communication runs), split into ``exposed_first_ms`` (before the first
@@ -148,21 +163,17 @@ def summarize(spans: Sequence[Span]) -> dict[str, float]:
     ``optimizer_ms``, ``host_ms``)."""
     step = max((s.end_ms for s in spans), default=0.0)
     on_compute = [s for s in spans if s.op.stream == COMPUTE]
-    busy = merge((s.start_ms, s.end_ms) for s in on_compute)
-    idle, cursor = [], 0.0
-    for a, b in [*busy, (step, step)]:
-        if a > cursor:
-            idle.append((cursor, a))
-        cursor = max(cursor, b)
-    comm = merge((s.start_ms, s.end_ms) for s in spans if s.op.kind in COMM_KINDS)
+    idle, comm = idle_and_comm(spans)
     work = [s for s in on_compute if s.op.kind == "compute"]
     first = min((s.start_ms for s in work), default=step)
     last = max((s.end_ms for s in work), default=0.0)
     out = {
         "step_ms": step,
-        "exposed_ms": overlap(idle, comm),
-        "exposed_first_ms": overlap([(a, min(b, first)) for a, b in idle if a < first], comm),
-        "exposed_last_ms": overlap([(max(a, last), b) for a, b in idle if b > last], comm),
+        "exposed_ms": intersect_length(idle, comm),
+        "exposed_first_ms": intersect_length(
+            [(a, min(b, first)) for a, b in idle if a < first], comm
+        ),
+        "exposed_last_ms": intersect_length([(max(a, last), b) for a, b in idle if b > last], comm),
         "comm_busy_ms": sum(b - a for a, b in comm),
         "sm_ms_taken": sum(s.lost_ms for s in on_compute),
     }

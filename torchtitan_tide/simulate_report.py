@@ -25,7 +25,7 @@ from torchtitan_tide.simulate import (
     inputs_record,
     simulate_config,
 )
-from torchtitan_tide.simulate_engine import COMPUTE, merge
+from torchtitan_tide.simulate_engine import idle_and_comm
 
 TOLERANCE_PCT = 5.0
 GPU_COUNTS = (8, 16, 32, 64)
@@ -231,20 +231,12 @@ COLORS = {"compute": "#4c72b0", "layout": "#dd8452", "optimizer": "#55a868", "ho
 
 def exposed_intervals(spans) -> list[tuple[float, float]]:
     """Compute-stream idle intervals during which communication runs."""
-    step = max(s.end_ms for s in spans)
-    busy = merge((s.start_ms, s.end_ms) for s in spans if s.op.stream == COMPUTE)
-    comm = merge((s.start_ms, s.end_ms) for s in spans if s.op.kind in ("ag", "rs", "net"))
-    idle, cursor = [], 0.0
-    for a, b in [*busy, (step, step)]:
-        if a > cursor:
-            idle.append((cursor, a))
-        cursor = max(cursor, b)
+    idle, comm = idle_and_comm(spans)
     out = []
     for a, b in idle:
         for c, d in comm:
-            lo, hi = max(a, c), min(b, d)
-            if hi > lo:
-                out.append((lo, hi))
+            if min(b, d) > max(a, c):
+                out.append((max(a, c), min(b, d)))
     return out
 
 

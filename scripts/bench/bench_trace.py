@@ -153,17 +153,7 @@ def trace_iteration(work: bench_floor.FloorWork, groups, marks: Marks) -> dict[s
 def run(args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, Any]:
     """Build bench_floor's work, time the marked fwd+bwd and the optimizer; the result
     dict (not yet written)."""
-    device = bench_floor.resolve_device(args.device)
-    if device.type == "cpu":
-        os.environ.setdefault("TIDE_DEVICE", "cpu")
-        from torchtitan_tide.device import use_cpu_device
-        from torchtitan_tide.train import use_cpu_moe_kernels
-
-        use_cpu_device()
-        use_cpu_moe_kernels()
-    job_config = bench_floor.load_job_config(args.config, overrides)
-    bench_floor.check_supported(job_config)
-    torch.manual_seed(job_config.debug.seed or 0)
+    device, job_config = bench_floor.prepare(args.device, args.config, overrides)
     policy = job_config.parallelism.fsdp_reshard_after_forward
     with bench_floor.one_rank_process_group():
         work, about = bench_floor.build_work(job_config, args.world_size, device, seed=0)
@@ -188,15 +178,8 @@ def run(args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, Any]:
         }
         for name, modules, reshard in groups
     ]
-    meta = common.metadata(args.world_size)
     return {
-        "kind": "trace",
-        "metadata": meta,
-        "config": Path(args.config).stem,
-        "world_size": args.world_size,
-        "device": str(device),
-        "args": {**vars(args), "overrides": list(overrides)},
-        "work": about,
+        **bench_floor.result_header("trace", args, overrides, device, about),
         "grouping": how,
         "groups": rows,
         "fwd_bwd_ms": med["fwd_bwd"],
