@@ -94,9 +94,10 @@ MEASURED_STEPS = {
 # profiled step breakdown, log_freq 1): host-bound + other idle is the per-step host time.
 WORLD1_STEP = {
     "h200x2_llama70b_4layers": {"step_ms": 483.2, "compute_ms": 399.9, "optimizer_ms": 66.4,
-                                "host_ms": 14.9 + 2.0},
+                                "host_ms": 14.9 + 2.0, "step_ms_log_freq_10": 471.8},
     "h200x2_qwen3_30b_a3b_4layers": {"step_ms": 199.8, "compute_ms": 134.6,
-                                     "optimizer_ms": 35.7, "host_ms": 26.9 + 2.6},
+                                     "optimizer_ms": 35.7, "host_ms": 26.9 + 2.6,
+                                     "step_ms_log_freq_10": 173.7},
 }  # fmt: skip
 WORLD1_SOURCE = "issue 21: bench_step at world 1 on one H200 (8d17df0), profiled step breakdown"
 REFERENCE_CONFIGS = tuple(
@@ -338,6 +339,39 @@ def compute_from_flops(
     return out
 
 
+def trace_mismatch(trace: Mapping[str, Any], groups: Sequence[GroupShape]) -> str:
+    """Why ``trace`` cannot stand for ``groups`` ('' when it can): its blocks must have
+    the parameter count of the config's blocks (same layer shapes)."""
+    traced = {g["params"] for g in trace["groups"] if g["group"].startswith("layers.")}
+    wanted = {g.numel for g in groups if g.name.startswith("layers.")}
+    if traced and wanted and traced != wanted:
+        return f"its blocks have {sorted(traced)} params, this config's {sorted(wanted)}"
+    return ""
+
+
+def _any_trace(results_dir: Path) -> dict[str, Any]:
+    for config in TRACE_CONFIG.values():
+        if path := newest_trace(results_dir, config):
+            return json.loads(path.read_text())
+    raise SimulateError(f"no *_trace_*.json under {results_dir}: run scripts/bench/bench_trace.py")
+
+
+def host_ms(table: Mapping[str, Any], trace_config: str) -> tuple[float, str]:
+    """Per-step host time: the one-GPU trainer step's host-bound + other idle (measured at
+    ``log_freq = 1``); a config logging every N > 1 steps saves the per-step loss read,
+    measured as the one-GPU step at log_freq 1 minus at log_freq 10."""
+    measured = WORLD1_STEP.get(trace_config)
+    if not measured:
+        return 0.0, "not measured for this model: 0"
+    freq = int(table.get("metrics", {}).get("log_freq", 10))
+    text = f"{WORLD1_SOURCE}: host-bound + other idle of {trace_config}"
+    if freq <= 1:
+        return measured["host_ms"], text
+    logging = measured["step_ms"] - measured["step_ms_log_freq_10"]
+    host = max(0.0, measured["host_ms"] - logging)
+    return host, f"{text}, minus the per-step loss read ({logging:.1f} ms; log_freq {freq})"
+
+
 def build_inputs(cm: Any, results_dir: Path, trace_path: str | Path | None, mfu: float) -> Inputs:
     """The inputs of ``cm`` (a ``plan.ConfigModel``) from the committed results."""
     model = cm.spec_name
@@ -350,8 +384,11 @@ def build_inputs(cm: Any, results_dir: Path, trace_path: str | Path | None, mfu:
         if trace_path
         else (newest_trace(results_dir, trace_config) if trace_config else None)
     )
-    if path is not None:
-        trace = json.loads(Path(path).read_text())
+    trace = json.loads(Path(path).read_text()) if path is not None else None
+    if trace is not None and (why_not := trace_mismatch(trace, cm.groups)):
+        sources["trace_not_used"] = f"{Path(path).name}: {why_not}"
+        trace = None
+    if trace is not None:
         from torchtitan_tide.config import load_toml
         from torchtitan_tide.launch import resolve_config
 
@@ -361,24 +398,21 @@ def build_inputs(cm: Any, results_dir: Path, trace_path: str | Path | None, mfu:
         scale = tokens / traced_tokens
         recompute = AC_FACTOR.get(ac, 0.0) > AC_FACTOR.get(traced_ac, 0.0)
         compute, root_fwd, root_bwd = compute_from_trace(trace, cm.groups, scale, recompute)
-        shard_elems = sum(math.ceil(g["params"] / trace["world_size"]) for g in trace["groups"])
-        opt = (trace["adamw_ms"] + trace["clip_ms"]) / max(
-            1, trace["work"]["shard_params"] or shard_elems
+        sources["compute"] = (
+            f"trace {Path(path).name} (bench_trace, {trace['metadata']['machine']}), "
+            f"x {scale:.3f} tokens per GPU"
+            + (", + forward recompute (full AC)" if recompute else "")
         )
-        sources["compute"] = (f"trace {Path(path).name} (bench_trace, {trace['metadata']['machine']}), "
-                              f"x {scale:.3f} tokens per GPU" + (", + forward recompute (full AC)" if recompute else ""))  # fmt: skip
-        sources["optimizer"] = f"trace {Path(path).name}: AdamW + clip ms per shard element"
     else:
         recompute = AC_FACTOR.get(ac, 0.0) > 0
         compute, root_fwd, root_bwd = compute_from_flops(cm, tokens, mfu, recompute), 0.0, 0.0
-        opt = 31.96 / 2_761_986_048  # the llama trace's AdamW + clip per element
         sources["compute"] = (
             f"FLOPs (2/4 x active params x tokens) at MFU {mfu} of {H200_BF16_FLOPS:.3g}"
         )
-        sources["optimizer"] = "h200x2_llama70b_4layers trace: AdamW + clip ms per shard element"
-    host = WORLD1_STEP.get(trace_config or "", {}).get("host_ms", 0.0)
-    sources["host"] = (f"{WORLD1_SOURCE}: host-bound + other idle of {trace_config}" if host
-                       else "not measured for this model: 0")  # fmt: skip
+    opt_trace = trace or _any_trace(results_dir)
+    opt = (opt_trace["adamw_ms"] + opt_trace["clip_ms"]) / opt_trace["work"]["shard_params"]
+    sources["optimizer"] = f"trace of {opt_trace['config']}: AdamW + clip ms per shard element"
+    host, sources["host"] = host_ms(cm.table, trace_config or "")
     layer = COLLECTIVE_LAYER.get(model, "llama70b")
     bandwidth, sources["bandwidth"] = collective_bandwidths(results_dir, layer)
     cls, why = shape_class_of(cm.model_args, tokens)

@@ -33,9 +33,9 @@ GPU_COUNTS = (8, 16, 32, 64)
 # reading the measured profiles; no factor is fitted to close the gap).
 MISSING = {
     ("h200x2_wan22_a14b_20layers", "*"): (
-        "host input 0: no one-GPU trainer breakdown of Wan2.2 (its synthetic-latent data "
-        "step, flow-matching loss and per-step logging are outside the traced fwd+bwd); "
-        "the residual is the same in every mode, so mode ratios hold"
+        "per-step trainer time outside the traced fwd+bwd is not an input (host input 0: no "
+        "one-GPU trainer breakdown of Wan2.2); the residual, about 700 ms, is the same in every "
+        "mode, so mode ratios hold, but no measured input explains it"
     ),
     ("h200x2_llama70b_4layers", "tide"): (
         "TIDE's own compute-stream work is not an input: the TIDE-RS accumulate kernels "

@@ -197,3 +197,21 @@ def test_cli_prints_rows_and_sources(tmp_path, capsys):
     assert {r["mode"] for r in rows} == set(sim.MODES) and rows[0]["nodes"] == 2
     with pytest.raises(SystemExit):
         sim.main(["--config", "h200x2_llama70b_4layers", "--gpus", "12"])  # not whole nodes
+
+
+def test_inputs_fall_back_to_flops_when_the_trace_has_other_layers():
+    from torchtitan_tide.plan import load_config_model
+
+    cm = load_config_model("debug_model")  # llama3_tide, but not the 70B layer of the trace
+    inputs = sim.build_inputs(cm, sim.RESULTS, None, mfu=0.5)
+    assert "trace_not_used" in inputs.sources and inputs.sources["compute"].startswith("FLOPs")
+    layer = inputs.compute["layers.0"]
+    assert layer.bwd_ms == pytest.approx(2 * layer.fwd_ms)  # no activation checkpointing
+    assert inputs.optimizer_ms_per_shard_elem > 0
+
+
+def test_host_time_drops_the_loss_read_when_logging_every_n_steps():
+    every, _ = sim.host_ms({"metrics": {"log_freq": 1}}, "h200x2_qwen3_30b_a3b_4layers")
+    tenth, text10 = sim.host_ms({"metrics": {"log_freq": 10}}, "h200x2_qwen3_30b_a3b_4layers")
+    assert every == pytest.approx(29.5) and tenth == pytest.approx(29.5 - (199.8 - 173.7))
+    assert "loss read" in text10 and sim.host_ms({}, "unknown")[0] == 0.0
