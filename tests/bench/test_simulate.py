@@ -215,3 +215,19 @@ def test_host_time_drops_the_loss_read_when_logging_every_n_steps():
     tenth, text10 = sim.host_ms({"metrics": {"log_freq": 10}}, "h200x2_qwen3_30b_a3b_4layers")
     assert every == pytest.approx(29.5) and tenth == pytest.approx(29.5 - (199.8 - 173.7))
     assert "loss read" in text10 and sim.host_ms({}, "unknown")[0] == 0.0
+
+
+def test_stream_picture_marks_the_exposed_first_all_gather(tmp_path):
+    from torchtitan_tide import simulate_report
+
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "streams.png"
+    assert simulate_report.draw_streams(
+        path, "h200x2_llama70b_4layers", 2, sim.Cluster(), sim.RESULTS
+    )
+    assert path.stat().st_size > 10_000
+    result = sim.simulate_config("h200x2_llama70b_4layers", 2, ["fsdp2"], sim.Cluster())
+    exposed = simulate_report.exposed_intervals(result["spans"]["fsdp2"])
+    assert exposed[0][0] == pytest.approx(0.0)  # the first all-gather, before any compute
+    total = sum(b - a for a, b in exposed)
+    assert total == pytest.approx(result["rows"][0]["sim_exposed_ms"])
