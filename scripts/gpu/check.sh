@@ -12,8 +12,8 @@
 #                 the compute floor the step rows' gap_to_floor_pct refers to
 #                 ~40 s llama, ~30 s qwen3, ~2 min wan22 (7.5 s per fwd+bwd)
 #   trace         bench_trace per config in TRACE_CONFIGS (default FLOOR_CONFIGS), on GPU 0:
-#                 per-FSDP-group fwd/bwd ms at world 1 (the simulator's --trace input;
-#                 compact JSON, no chrome trace)   ~40 s llama, ~30 s qwen3, ~1.5 min wan22
+#                 per-FSDP-group fwd/bwd ms of the FLOOR_WORLD-rank step's per-GPU work on
+#                 one GPU (the simulator's --trace input; compact JSON, no chrome trace)   ~40 s llama, ~30 s qwen3, ~1.5 min wan22
 #   train         debug model, every comm mode, 1 round (bench_step)               ~1.5 min
 #   step          bench_step per config in STEP_CONFIGS, all modes                 ~2.5 min/config
 #   bench         bench_ag (TIDE-AG vs stock, copy-engine batch)                   ~1 min
