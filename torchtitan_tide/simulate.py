@@ -20,8 +20,8 @@ cross-node phase, then node-local copy-engine phase, back to back); ``rs_local``
 ``rs_net`` (TIDE-RS's node-local reduce and cross-node fp32 partials, pipelined across
 groups, at most ``[tide] rs_inflight`` partials in flight). fsdp2 / symm_mem /
 tide_ag put their layout copies on the compute stream: the AG copy-out before each
-gather's compute, chunk_cat (the RS copy-in) after each backward, the AG copy-in with
-the shard. Compute slows by the measured GEMM interference of its shape class while an
+gather's compute, chunk_cat (the RS copy-in) after each backward, the AG copy-in ahead of
+each gather on its stream. Compute slows by the measured GEMM interference of its shape class while an
 all-gather / reduce-scatter of the mode runs beside it.
 
 Inputs (each recorded with its source in the output, :class:`Inputs`): per-group
