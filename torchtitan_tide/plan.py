@@ -37,6 +37,7 @@ __all__ = [
     "PlanError",
     "WorldPlan",
     "format_report",
+    "fsdp_group_modules",
     "fsdp_groups",
     "load_config_model",
     "main",
@@ -100,7 +101,7 @@ class ConfigModel:
     total_numel: int
     active_numel: int
     """Parameters one token's forward multiplies with: no embedding tables, MoE experts
-    weighted by top_k / num_experts (the projection scales compute with it)."""
+    weighted by top_k / num_experts (the simulator's FLOPs fallback uses it)."""
     dtypes: CommDtypes
     tide: Tide
     """The validated ``[tide]`` section (defaults where absent)."""
@@ -181,14 +182,15 @@ def _build_meta_model(where: str, spec_name: str, flavor: str):
         return spec.model_cls(args), args
 
 
-def fsdp_groups(
+def fsdp_group_modules(
     model, spec_name: str, reshard_policy: str = "default", where: str = "model"
-) -> tuple[tuple[GroupShape, ...], str]:
-    """Group ``model``'s parameters as ``apply_fsdp`` of ``spec_name`` does: root (what no
-    other group holds; listed first, it is gathered first), the separately sharded
-    top-level modules of :data:`GROUPINGS`, one group per block of ``model.layers``.
-    Empty groups are dropped. Returns the groups and a sentence saying how they were made.
-    """
+) -> tuple[list[tuple[str, list, bool]], str]:
+    """The separately wrapped FSDP groups of ``model`` as ``apply_fsdp`` of ``spec_name``
+    makes them, in FSDP2's forward order: ``(name, modules, reshard_after_forward)`` for
+    the top-level modules of :data:`GROUPINGS` and one group per block of
+    ``model.layers`` (the root, which holds the rest, is not listed). Also returns the
+    grouping's source. The memory planner (:func:`fsdp_groups`), the simulator and the
+    one-GPU layer trace (``scripts/bench/bench_trace.py``) all group through this."""
     from torch import nn
 
     layers = getattr(model, "layers", None)
@@ -220,7 +222,24 @@ def fsdp_groups(
     for names in rule.after_blocks:
         if modules := _present(model, names):
             wrapped.append(("+".join(names), modules, last_reshard))
+    separate = [
+        *("+".join(n) for n in rule.before_blocks),
+        "one per block of model.layers",
+        *("+".join(n) for n in rule.after_blocks),
+    ]
+    return wrapped, f"{rule.source}: root (params no other group holds), {', '.join(separate)}"
 
+
+def fsdp_groups(
+    model, spec_name: str, reshard_policy: str = "default", where: str = "model"
+) -> tuple[tuple[GroupShape, ...], str]:
+    """Group ``model``'s parameters as ``apply_fsdp`` of ``spec_name`` does: root (what no
+    other group holds; listed first, it is gathered first), the separately sharded
+    top-level modules of :data:`GROUPINGS`, one group per block of ``model.layers``
+    (:func:`fsdp_group_modules`). Empty groups are dropped. Returns the groups and a
+    sentence saying how they were made.
+    """
+    wrapped, how = fsdp_group_modules(model, spec_name, reshard_policy, where)
     taken: set[int] = set()
     groups = []
     for name, modules, reshard in wrapped:
@@ -230,15 +249,7 @@ def fsdp_groups(
     root = [p for p in model.parameters() if id(p) not in taken]
     groups.insert(0, GroupShape("root", tuple(tuple(p.shape) for p in root), False))
     groups = tuple(g for g in groups if g.param_shapes)
-    separate = [
-        *("+".join(n) for n in rule.before_blocks),
-        "one per block of model.layers",
-        *("+".join(n) for n in rule.after_blocks),
-    ]
-    sentence = (
-        f"FSDP groups as {rule.source}: root (params no other group holds), "
-        f"{', '.join(separate)}; empty groups dropped; {len(groups)} groups"
-    )
+    sentence = f"FSDP groups as {how}; empty groups dropped; {len(groups)} groups"
     return groups, sentence
 
 

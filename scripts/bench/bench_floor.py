@@ -379,9 +379,10 @@ def resolve_device(name: str) -> torch.device:
     )
 
 
-def run(args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, Any]:
-    """Build, measure and summarize; returns the result dict (not yet written)."""
-    device = resolve_device(args.device)
+def prepare(device_name: str, config: str, overrides: Sequence[str]) -> tuple:
+    """(device, checked JobConfig) of a one-device run (CPU: the project's CPU shims);
+    the torch seed set from ``[debug] seed``. Also bench_trace.py's."""
+    device = resolve_device(device_name)
     if device.type == "cpu":
         os.environ.setdefault("TIDE_DEVICE", "cpu")
         from torchtitan_tide.device import use_cpu_device
@@ -389,9 +390,25 @@ def run(args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, Any]:
 
         use_cpu_device()
         use_cpu_moe_kernels()
-    job_config = load_job_config(args.config, overrides)
+    job_config = load_job_config(config, overrides)
     check_supported(job_config)
     torch.manual_seed(job_config.debug.seed or 0)
+    return device, job_config
+
+
+def result_header(kind: str, args: argparse.Namespace, overrides: Sequence[str],
+                  device: torch.device, about: Mapping[str, Any]) -> dict[str, Any]:
+    """The first keys of a one-device result (also bench_trace.py's): kind, metadata,
+    config, world size, device, arguments, the work's description."""
+    return {"kind": kind, "metadata": common.metadata(args.world_size),
+            "config": Path(args.config).stem, "world_size": args.world_size,
+            "device": str(device), "args": {**vars(args), "overrides": list(overrides)},
+            "work": dict(about)}  # fmt: skip
+
+
+def run(args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, Any]:
+    """Build, measure and summarize; returns the result dict (not yet written)."""
+    device, job_config = prepare(args.device, args.config, overrides)
     with one_rank_process_group():
         work, about = build_work(job_config, args.world_size, device, seed=args.seed)
         print(f"[bench_floor] {args.config} on {device}, per-GPU work of a "
@@ -401,15 +418,8 @@ def run(args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, Any]:
         rounds = measure(work, device, args.rounds, args.warmup, args.iters, args.target_s)
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     summary = summarize(rounds)
-    meta = common.metadata(args.world_size)
     return {
-        "kind": "floor",
-        "metadata": meta,
-        "config": Path(args.config).stem,
-        "world_size": args.world_size,
-        "device": str(device),
-        "args": {**vars(args), "overrides": list(overrides)},
-        "work": about,
+        **result_header("floor", args, overrides, device, about),
         **summary,
         "peak_allocated_gib": peak,
         "rounds": rounds,

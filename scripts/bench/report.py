@@ -13,7 +13,7 @@ Writes ``<out-dir>/<date>_<machine>_<commit>_report.md`` (default out-dir: the r
 dir) with the date, machine and commit of the newest measured result: metadata, one
 headline table of every result's headline figures by comm mode with ratios to
 ``fsdp2``, each result's own tables with its PNG embedded, projections (JSONs of kind
-``projection``, shown generically and labeled as model estimates, not measurements),
+``projection`` or ``simulation``, shown generically and labeled as model estimates, not measurements),
 and the list of sources. Also ``<stem>_report.png``, the headline figure: training step
 time per comm mode, one panel per step result, with the speed-up vs ``fsdp2`` on each bar
 and the compute floor of the config as a dashed line where one is known
@@ -42,7 +42,9 @@ KIND_TITLES = {
     "interference": "GEMM interference beside collectives",
     "ag": "All-gather (TIDE-AG vs stock)",
     "projection": "Projection",
+    "simulation": "Simulation",
 }
+MODEL_KINDS = ("projection", "simulation")  # computed from a model, never measured
 KIND_ORDER = ("step", "collectives", "interference", "ag")
 # Titles of the step configs in the headline figure.
 CONFIG_TITLES = {
@@ -99,7 +101,7 @@ def load_result(path: Path) -> Result | None:
         return None
     name = result_name(path)
     kind = infer_kind(name, data)
-    if "metadata" not in data and kind != "projection":
+    if "metadata" not in data and kind not in MODEL_KINDS:
         return None
     return Result(path, data, kind, name)
 
@@ -123,8 +125,8 @@ def select_latest(results: Sequence[Result]) -> list[Result]:
 def headline_rows(r: Result) -> list[dict[str, Any]]:
     """The result's headline figures (``common.headline_row`` dicts). Files without a
     ``headline`` key: step results from their rows, bench_ag results from their tables."""
-    if r.kind == "projection":
-        return []  # projections never enter the measured headline
+    if r.kind in MODEL_KINDS:
+        return []  # projections and simulations never enter the measured headline
     if "headline" in r.data:
         return list(r.data["headline"])
     if r.kind == "step":
@@ -373,8 +375,8 @@ def _image(r: Result, out_dir: Path) -> str:
 
 def render(results: Sequence[Result], out_dir: Path, report_png: Path | None) -> str:
     """The whole report as Markdown (``results``: already selected)."""
-    measured = [r for r in results if r.kind != "projection"]
-    projections = [r for r in results if r.kind == "projection"]
+    measured = [r for r in results if r.kind not in MODEL_KINDS]
+    projections = [r for r in results if r.kind in MODEL_KINDS]
     order = {k: i for i, k in enumerate(KIND_ORDER)}
     measured.sort(key=lambda r: (order.get(r.kind, len(order)), r.name))
     newest = max(measured or results, key=lambda r: r.date)
@@ -449,8 +451,8 @@ def render(results: Sequence[Result], out_dir: Path, report_png: Path | None) ->
             "## Projections (model estimates, not measurements)",
             "",
             (
-                "Computed by `scripts/bench/projection.py` from a model of the system, not "
-                "measured on a machine."
+                "Computed from a model of the system (`python -m torchtitan_tide.simulate "
+                "--report`), not measured on a machine."
             ),
             "",
         ]
@@ -470,7 +472,7 @@ def render(results: Sequence[Result], out_dir: Path, report_png: Path | None) ->
     sources = [
         {
             "file": r.path.name,
-            "kind": r.kind + (" (model estimate)" if r.kind == "projection" else ""),
+            "kind": r.kind + (" (model estimate)" if r.kind in MODEL_KINDS else ""),
             "machine": r.meta.get("machine"),
             "world": r.meta.get("world_size"),
             "torch": r.meta.get("torch"),
@@ -488,7 +490,7 @@ def write_report(results: Sequence[Result], out_dir: Path) -> Path:
     """Write the report (and its ratio PNG); returns the Markdown path."""
     if not results:
         raise ValueError("no benchmark results to report")
-    measured = [r for r in results if r.kind != "projection"] or list(results)
+    measured = [r for r in results if r.kind not in MODEL_KINDS] or list(results)
     newest = max(measured, key=lambda r: r.date)
     meta = {"date": newest.date or "unknown", "machine": newest.meta.get("machine", "unknown"),
             "commit": newest.meta.get("commit", "unknown")}  # fmt: skip

@@ -32,6 +32,10 @@ import bisect
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from torchtitan_tide.simulate_engine import intersect_length, merge
+
+__all__ = ["intersect_length", "length", "mean_breakdown", "merge", "step_breakdown"]
+
 STEP_RANGE_PREFIX = "ProfilerStep#"
 OPTIMIZER_RANGE_PREFIX = "Optimizer.step#"
 CLIP_START_OP = "aten::_foreach_norm"
@@ -43,32 +47,8 @@ PARTS = ("compute_ms", "optimizer_ms", "exposed_comm_ms", "host_bound_ms", "othe
 Interval = tuple[float, float]
 
 
-def merge(intervals: Iterable[Interval]) -> list[Interval]:
-    """Sorted union of half-open intervals (empty ones dropped)."""
-    out: list[list[float]] = []
-    for start, end in sorted(i for i in intervals if i[1] > i[0]):
-        if out and start <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], end)
-        else:
-            out.append([start, end])
-    return [(a, b) for a, b in out]
-
-
 def length(intervals: Iterable[Interval]) -> float:
     return sum(b - a for a, b in intervals)
-
-
-def intersect_length(a: Sequence[Interval], b: Sequence[Interval]) -> float:
-    """Total overlap of two merged interval lists."""
-    total, i, j = 0.0, 0, 0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        total += max(0.0, hi - lo)
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
 
 
 def _clip(start: float, end: float, window: Interval) -> Interval:

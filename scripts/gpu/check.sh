@@ -11,6 +11,9 @@
 #   floor         bench_floor per config in FLOOR_CONFIGS, on GPU 0 only (1 GPU is enough):
 #                 the compute floor the step rows' gap_to_floor_pct refers to
 #                 ~40 s llama, ~30 s qwen3, ~2 min wan22 (7.5 s per fwd+bwd)
+#   trace         bench_trace per config in TRACE_CONFIGS (default FLOOR_CONFIGS), on GPU 0:
+#                 per-FSDP-group fwd/bwd ms of the FLOOR_WORLD-rank step's per-GPU work on
+#                 one GPU (the simulator's --trace input; compact JSON, no chrome trace)   ~40 s llama, ~30 s qwen3, ~1.5 min wan22
 #   train         debug model, every comm mode, 1 round (bench_step)               ~1.5 min
 #   step          bench_step per config in STEP_CONFIGS, all modes                 ~2.5 min/config
 #   bench         bench_ag (TIDE-AG vs stock, copy-engine batch)                   ~1 min
@@ -18,7 +21,7 @@
 #   interference  bench_interference (2 GEMMs beside AG/RS x 3 modes)              ~1 min
 #   accumulate    bench_accumulate (TIDE-RS kernel GiB/s vs CTA count, 1 GPU)       ~20 s
 #   report        report.py over bench/results                                     seconds
-# Knobs: FLOOR_CONFIGS (the three h200x2_* configs), FLOOR_WORLD (2: ranks of the step whose
+# Knobs: FLOOR_CONFIGS (the three h200x2_* configs), TRACE_CONFIGS, TRACE_ARGS, FLOOR_WORLD (2: ranks of the step whose
 # per-GPU work is measured), FLOOR_ARGS (more bench_floor arguments, e.g. "--warmup 1"), STEPS (train, 30), STEP_CONFIGS (h200x2_llama70b_4layers),
 # STEP_STEPS (12), STEP_ROUNDS (1), STEP_MODES / MODES (fsdp2,symm_mem,tide), COLL_ITERS (20), INTERF_REPS (6).
 # Results (JSON/MD/PNG) land in bench/results/; $OUT gets results.tgz (this run's result
@@ -32,7 +35,7 @@ cd "$REPO"
 OUT="${OUT:-/tmp/tide_check}"
 LOGS=/tmp/tide_logs
 mkdir -p "$OUT" "$LOGS" bench/results
-STAGES="${STAGES:-tests floor train step bench accumulate collectives interference report}"
+STAGES="${STAGES:-tests floor trace train step bench accumulate collectives interference report}"
 FLOOR_CONFIGS="${FLOOR_CONFIGS:-h200x2_llama70b_4layers h200x2_qwen3_30b_a3b_4layers h200x2_wan22_a14b_20layers}"
 MODES="${MODES:-fsdp2,symm_mem,tide}"
 MARK="$LOGS/.start"
@@ -73,6 +76,16 @@ if has floor; then
       python3 scripts/bench/bench_floor.py --config "$config" --world-size "${FLOOR_WORLD:-2}" \
       --out-dir bench/results ${FLOOR_ARGS:-}
     note "  $(grep -o 'floor_ms = [0-9.]* ms[^;]*' "$LOGS/floor_$config.log" | tail -1)"
+  done
+fi
+
+if has trace; then
+  first_gpu="${CUDA_VISIBLE_DEVICES:-0}"
+  for config in ${TRACE_CONFIGS:-$FLOOR_CONFIGS}; do
+    run "trace_$config" 480 env CUDA_VISIBLE_DEVICES="${first_gpu%%,*}" \
+      python3 scripts/bench/bench_trace.py --config "$config" --world-size "${FLOOR_WORLD:-2}" \
+      --out-dir bench/results ${TRACE_ARGS:-}
+    note "  $(grep -o 'fwd+bwd [0-9.]* ms' "$LOGS/trace_$config.log" | tail -1)"
   done
 fi
 

@@ -2,7 +2,7 @@
 
 Pure Python (integer arithmetic on parameter shapes), so it answers for any GPU count
 without GPUs. ``python -m torchtitan_tide.plan`` builds the groups of a training TOML and
-prints this plan; ``scripts/bench/projection.py`` uses it for its scale projection. The
+prints this plan; ``torchtitan_tide.simulate`` shares its groups (``GroupShape``). The
 TIDE sizes follow what ``comm.install`` allocates (slots through the shared
 :func:`slot_sizes`, staging, RSBuffers).
 
@@ -107,8 +107,8 @@ class GroupShape:
     """One FSDP group: the full (unsharded) shapes of its parameters.
 
     ``reshard_after_forward`` is FSDP's flag for the group (False: gathered once per
-    step, kept unsharded from forward to backward); the projection counts all-gathers
-    with it, the memory plan does not need it.
+    step, kept unsharded from forward to backward); the step simulator counts
+    all-gathers with it, the memory plan does not need it.
     """
 
     name: str

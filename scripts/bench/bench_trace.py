@@ -1,0 +1,239 @@
+"""Per-FSDP-group forward/backward durations of a step config on ONE device (the
+simulator's compute input, ``python -m torchtitan_tide.simulate --trace``).
+
+The model, shapes, loss and data are bench_floor's (the trainer's, per-GPU work of a
+``--world-size``-rank step, no communication). Each FSDP group of the memory planner's
+grouping (``torchtitan_tide.plan.fsdp_group_modules``: the groups FSDP2 would wrap) gets
+timing marks: forward from the group's first module's pre-hook to its last module's
+forward hook; backward from the gradient hook of the group's output (its backward
+starts) to the last gradient accumulated into one of its parameters (it is done). On
+CUDA the marks are CUDA events on the current stream (device time, host-bound gaps
+inside a group included); on CPU the wall clock. What lies outside every group
+(the root: loss, final ops) is ``root_fwd_ms`` / ``root_bwd_ms``. Also the fused AdamW
+and grad-norm clip of rank 0's shards (bench_floor's ``adamw`` / ``clip``).
+
+Medians over ``--iters`` after ``--warmup``. Writes a compact
+``<date>_<machine>_<commit>_trace_<config>.{json,md,png}`` (a few KB; no chrome trace):
+
+    python scripts/bench/bench_trace.py --config h200x2_llama70b_4layers [--world-size 2]
+        [--device auto|cuda|cpu] [--warmup 2] [--iters 5] [--out-dir bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_floor
+import common
+
+from torchtitan_tide.plan import fsdp_group_modules
+
+COLUMNS = [
+    ["group", "group"],
+    ["params", "params"],
+    ["fwd_ms", "fwd ms"],
+    ["bwd_ms", "bwd ms"],
+    ["reshard_after_forward", "reshard after fwd"],
+]
+
+
+class Marks:
+    """Named time marks of one iteration: CUDA events on the current stream, or the
+    wall clock on CPU; :meth:`ms` reads them after a synchronize."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.marks: dict[str, Any] = {}
+        self.forward = True  # False from the loss on: activation-checkpoint recomputes
+
+    def mark(self, name: str) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks[name] = event
+        else:
+            self.marks[name] = time.perf_counter()
+
+    def ms(self, a: str, b: str) -> float:
+        """Milliseconds from mark ``a`` to mark ``b``."""
+        if self.cuda:
+            return self.marks[a].elapsed_time(self.marks[b])
+        return 1e3 * (self.marks[b] - self.marks[a])
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+
+def _first_grad_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value if value.requires_grad else None
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            if (found := _first_grad_tensor(item)) is not None:
+                return found
+    if isinstance(value, dict):
+        return _first_grad_tensor(list(value.values()))
+    return None
+
+
+def install_marks(groups: Sequence[tuple[str, list, bool]], marks: Marks) -> list:
+    """Hooks that mark ``<group>.fwd0/.fwd1/.bwd0/.bwd1`` every iteration; returns the
+    handles. ``bwd1`` is re-marked at every gradient accumulated into the group's
+    parameters, so the last one stands. Forward hooks that fire again in backward
+    (activation-checkpoint recomputes) mark nothing: that time is the group's backward."""
+    handles = []
+    for name, modules, _ in groups:
+        first, last = modules[0], modules[-1]
+
+        def before_forward(module, args, n=name):
+            if marks.forward:  # not an activation-checkpoint recompute in backward
+                marks.mark(f"{n}.fwd0")
+
+        def after_forward(module, args, output, n=name):
+            if not marks.forward:
+                return
+            marks.mark(f"{n}.fwd1")
+            tensor = _first_grad_tensor(output)
+            if tensor is not None:
+                tensor.register_hook(lambda grad: marks.mark(f"{n}.bwd0"))
+
+        handles.append(first.register_forward_pre_hook(before_forward))
+        handles.append(last.register_forward_hook(after_forward))
+        for module in modules:
+            for p in module.parameters():
+                if p.requires_grad:
+                    handles.append(p.register_post_accumulate_grad_hook(
+                        lambda param, n=name: marks.mark(f"{n}.bwd1")))  # fmt: skip
+    return handles
+
+
+def trace_iteration(work: bench_floor.FloorWork, groups, marks: Marks) -> dict[str, float]:
+    """One fwd+bwd with marks; per group ``fwd``/``bwd`` ms plus ``fwd_bwd``, ``root_fwd``,
+    ``root_bwd`` ms (root: the step's time outside every group)."""
+    work.setup("fwd_bwd")
+    marks.marks.clear()
+    marks.forward = True
+    marks.mark("start")
+    pred = work.model(work.inputs, **work.extra_inputs)
+    loss = work.loss_fn(pred, work.labels) / work.labels.numel()
+    del pred
+    marks.mark("loss")
+    marks.forward = False
+    loss.backward()
+    marks.mark("end")
+    marks.sync()
+    out: dict[str, float] = {}
+    names = [name for name, _, _ in groups]
+    missing = [f"{n}.{k}" for n in names for k in ("fwd0", "fwd1", "bwd0", "bwd1")
+               if f"{n}.{k}" not in marks.marks]  # fmt: skip
+    if missing:
+        raise RuntimeError(f"no timing mark for {missing}: a group ran no forward/backward")
+    for n in names:
+        out[f"{n}.fwd"] = marks.ms(f"{n}.fwd0", f"{n}.fwd1")
+        out[f"{n}.bwd"] = marks.ms(f"{n}.bwd0", f"{n}.bwd1")
+    fwd = marks.ms("start", "loss")
+    bwd = marks.ms("loss", "end")
+    out["fwd_bwd"] = fwd + bwd
+    out["root_fwd"] = fwd - sum(out[f"{n}.fwd"] for n in names)
+    out["root_bwd"] = bwd - sum(out[f"{n}.bwd"] for n in names)
+    return out
+
+
+def run(args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, Any]:
+    """Build bench_floor's work, time the marked fwd+bwd and the optimizer; the result
+    dict (not yet written)."""
+    device, job_config = bench_floor.prepare(args.device, args.config, overrides)
+    policy = job_config.parallelism.fsdp_reshard_after_forward
+    with bench_floor.one_rank_process_group():
+        work, about = bench_floor.build_work(job_config, args.world_size, device, seed=0)
+        groups, how = fsdp_group_modules(work.model, job_config.model.name, policy)
+        marks = Marks(device)
+        install_marks(groups, marks)
+        per_iter = [trace_iteration(work, groups, marks) for _ in range(args.warmup + args.iters)]
+        per_iter = per_iter[args.warmup :]
+        optimizer = {
+            v: common.median(bench_floor.time_iterations(
+                getattr(work, v), lambda: None, device, args.iters))
+            for v in ("adamw", "clip")
+        }  # fmt: skip
+    med = {k: common.median([it[k] for it in per_iter]) for k in per_iter[0]}
+    rows = [
+        {
+            "group": name,
+            "params": sum(p.numel() for m in modules for p in m.parameters()),
+            "reshard_after_forward": reshard,
+            "fwd_ms": med[f"{name}.fwd"],
+            "bwd_ms": med[f"{name}.bwd"],
+        }
+        for name, modules, reshard in groups
+    ]
+    return {
+        **bench_floor.result_header("trace", args, overrides, device, about),
+        "grouping": how,
+        "groups": rows,
+        "fwd_bwd_ms": med["fwd_bwd"],
+        "root_fwd_ms": med["root_fwd"],
+        "root_bwd_ms": med["root_bwd"],
+        "adamw_ms": optimizer["adamw"],
+        "clip_ms": optimizer["clip"],
+        "iters": args.iters,
+        "tables": [
+            {"title": "Per FSDP group, one device (median ms)", "columns": COLUMNS, "rows": rows}
+        ],
+        "headline": [],
+    }
+
+
+def write_outputs(stem: Path, result: dict[str, Any]) -> str:
+    meta, about = result["metadata"], result["work"]
+    notes = (
+        f"{meta['machine']}, torch {meta['torch']}, commit {meta['commit']}, {meta['date']}. "
+        f"Config `{result['config']}`, per-GPU work of a {result['world_size']}-rank step on "
+        f"{result['device']} ({about['model']} {about['flavor']}, input {about['input_shape']}, "
+        f"activation checkpointing {about['activation_checkpoint']}), median of "
+        f"{result['iters']} iterations. fwd+bwd {result['fwd_bwd_ms']:.3f} ms, of which outside "
+        f"every group (root) fwd {result['root_fwd_ms']:.3f} / bwd {result['root_bwd_ms']:.3f} "
+        f"ms; AdamW {result['adamw_ms']:.3f} ms, clip {result['clip_ms']:.3f} ms on rank 0's "
+        f"shards. Groups: {result['grouping']}.\n"
+    )
+    names = [r["group"] for r in result["groups"]]
+    charts = [
+        common.BarChart("forward ms per group", names, [r["fwd_ms"] for r in result["groups"]], "ms"),
+        common.BarChart("backward ms per group", names, [r["bwd_ms"] for r in result["groups"]], "ms"),
+    ]  # fmt: skip
+    title = f"Layer trace: {result['config']}"
+    return common.write_result(stem, result, title, notes, charts)
+
+
+def main(argv: Sequence[str] | None = None, runner: Callable = run) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="h200x2_llama70b_4layers")
+    parser.add_argument("--world-size", type=int, default=2,
+                        help="ranks of the step whose per-GPU work is traced")  # fmt: skip
+    parser.add_argument("--device", default="auto", help="auto | cuda | cpu")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--out-dir", default="bench/results")
+    args, overrides = parser.parse_known_args(argv)
+    if args.world_size < 1 or args.iters < 1 or args.warmup < 0:
+        parser.error("--world-size and --iters must be >= 1, --warmup >= 0")
+    result = runner(args, overrides)
+    stem = common.result_stem(args.out_dir, f"trace_{result['config']}", result["metadata"])
+    print(write_outputs(stem, result))
+    print(f"results: {stem}.json / .md / .png", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""bench_trace: per-FSDP-group fwd/bwd marks on the debug model (CPU, tiny shapes), the
+groups named as the memory planner names them."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "scripts" / "bench"
+TINY = ["--config", "debug_model", "--training.seq_len", "32", "--training.local_batch_size", "1"]
+
+
+def test_trace_debug_model_on_cpu(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "bench_trace.py"), "--device", "cpu", "--iters", "1",
+         "--warmup", "0", "--out-dir", str(tmp_path), *TINY],
+        capture_output=True, text=True, timeout=300, cwd=REPO, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = tmp_path.glob("*_trace_debug_model.json")
+    result = json.loads(path.read_text())
+    names = [g["group"] for g in result["groups"]]
+    assert names == ["tok_embeddings", *(f"layers.{i}" for i in range(6)), "norm+output"]
+    assert all(g["fwd_ms"] > 0 and g["bwd_ms"] > 0 for g in result["groups"])
+    assert [g["reshard_after_forward"] for g in result["groups"]][-1] is False
+    total = sum(g["fwd_ms"] + g["bwd_ms"] for g in result["groups"])
+    parts = total + result["root_fwd_ms"] + result["root_bwd_ms"]
+    assert abs(parts - result["fwd_bwd_ms"]) < 1e-6 * max(1.0, result["fwd_bwd_ms"])
+    assert result["root_bwd_ms"] >= 0 and result["adamw_ms"] > 0
+    assert path.stat().st_size < 20_000  # compact: no chrome trace

@@ -1,0 +1,183 @@
+"""Event engine of the step simulator: ops on FIFO streams with dependencies, and
+compute slowed while SM-taking communication runs beside it.
+
+Pure Python, no torch. An :class:`Op` runs on one stream; each stream runs its ops one
+at a time in the order they were given (CUDA stream semantics; one NCCL communicator
+is one stream, so its all-gathers and reduce-scatters serialize). An op starts when its
+stream is free, every op in ``after`` has ended (CUDA event waits) and every op in
+``issued_with`` has started (the host issues it as that op starts: FSDP2's prefetch).
+
+Interference is a rate: while a ``compute`` op runs beside ops whose ``kind`` is a key
+of its ``slowdown`` (fractions, e.g. ``{"rs": 0.27}``), it progresses at
+``1 / (1 + max fraction)``; the time it loses is SM-ms taken from compute. Other ops
+run at their own duration. :func:`simulate` advances from event to event (an op
+starts or ends) and returns each op's start and end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+COMPUTE = "compute"  # the compute stream's name
+COMM_KINDS = ("ag", "rs", "net")  # op kinds that count as communication
+_EPS = 1e-9
+
+
+class SimulationError(ValueError):
+    """The ops cannot run: unknown dependency, a cycle, or a negative duration."""
+
+
+@dataclass(frozen=True)
+class Op:
+    """One kernel class on one stream.
+
+    ``kind``: ``compute`` / ``layout`` / ``optimizer`` / ``host`` (on the compute
+    stream) or a communication kind of :data:`COMM_KINDS`; ``slowdown``: for compute
+    ops, the fraction it slows by beside a running op of each kind."""
+
+    name: str
+    stream: str
+    duration_ms: float
+    kind: str = "compute"
+    after: tuple[str, ...] = ()
+    issued_with: tuple[str, ...] = ()
+    slowdown: Mapping[str, float] = field(default_factory=dict)
+    group: str = ""
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where an op ran: ``start_ms``/``end_ms``; ``lost_ms`` = time added by interference."""
+
+    op: Op
+    start_ms: float
+    end_ms: float
+
+    @property
+    def lost_ms(self) -> float:
+        return max(0.0, self.end_ms - self.start_ms - self.op.duration_ms)
+
+
+def simulate(ops: Sequence[Op]) -> list[Span]:
+    """Run ``ops`` (see the module docstring); spans in the order of ``ops``."""
+    by_name = {}
+    for op in ops:
+        if op.name in by_name:
+            raise SimulationError(f"two ops named {op.name!r}")
+        if op.duration_ms < 0:
+            raise SimulationError(f"op {op.name!r} has a negative duration {op.duration_ms}")
+        by_name[op.name] = op
+    for op in ops:
+        for dep in (*op.after, *op.issued_with):
+            if dep not in by_name:
+                raise SimulationError(f"op {op.name!r} depends on unknown op {dep!r}")
+    queues: dict[str, list[Op]] = {}
+    for op in ops:
+        queues.setdefault(op.stream, []).append(op)
+    heads = dict.fromkeys(queues, 0)
+    started: dict[str, float] = {}
+    ended: dict[str, float] = {}
+    remaining: dict[str, float] = {}  # running op -> work left (ms at rate 1)
+    now = 0.0
+    while len(ended) < len(ops):
+        progressed = True
+        while progressed:  # start every stream head that may start now
+            progressed = False
+            for stream, queue in queues.items():
+                i = heads[stream]
+                if i >= len(queue) or any(queue[i].name == r for r in remaining):
+                    continue
+                op = queue[i]
+                if all(d in ended for d in op.after) and all(d in started for d in op.issued_with):
+                    started[op.name] = now
+                    remaining[op.name] = op.duration_ms
+                    progressed = True
+        if not remaining:
+            blocked = [queues[s][heads[s]].name for s in queues if heads[s] < len(queues[s])]
+            raise SimulationError(f"ops wait on each other (a cycle or bad order): {blocked}")
+        running = [by_name[n] for n in remaining]
+        kinds = {op.kind for op in running}
+        rates = {op.name: _rate(op, kinds) for op in running}
+        step = min(remaining[n] / rates[n] for n in remaining)
+        now += step
+        for name in list(remaining):
+            remaining[name] -= step * rates[name]
+            if remaining[name] <= _EPS:
+                del remaining[name]
+                ended[name] = now
+                heads[by_name[name].stream] += 1
+    return [Span(op, started[op.name], ended[op.name]) for op in ops]
+
+
+def _rate(op: Op, running_kinds: set[str]) -> float:
+    slow = max((op.slowdown.get(k, 0.0) for k in running_kinds if k != op.kind), default=0.0)
+    return 1.0 / (1.0 + max(0.0, slow))
+
+
+def merge(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted union of half-open intervals (empty ones dropped). Also the profiled-step
+    breakdown's (scripts/bench/step_breakdown.py)."""
+    out: list[list[float]] = []
+    for start, end in sorted(i for i in intervals if i[1] > i[0]):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(a, b) for a, b in out]
+
+
+def intersect_length(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> float:
+    """Total overlap of two merged interval lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def idle_and_comm(spans: Sequence[Span]) -> tuple[list, list]:
+    """(compute-stream idle intervals up to the step's end, merged communication
+    intervals): where they meet, communication is exposed."""
+    step = max((s.end_ms for s in spans), default=0.0)
+    busy = merge((s.start_ms, s.end_ms) for s in spans if s.op.stream == COMPUTE)
+    idle, cursor = [], 0.0
+    for a, b in [*busy, (step, step)]:
+        if a > cursor:
+            idle.append((cursor, a))
+        cursor = max(cursor, b)
+    comm = merge((s.start_ms, s.end_ms) for s in spans if s.op.kind in COMM_KINDS)
+    return idle, comm
+
+
+def summarize(spans: Sequence[Span]) -> dict[str, float]:
+    """Step figures of a simulated step: ``step_ms``; ``exposed_ms`` (the compute stream
+    idle while communication runs), split into ``exposed_first_ms`` (before the first
+    compute op), ``exposed_last_ms`` (after the last compute op before the optimizer)
+    and ``exposed_between_ms``; ``comm_busy_ms``; ``sm_ms_taken`` (compute time lost to
+    interference); and busy ms per compute-stream kind (``compute_ms``, ``layout_ms``,
+    ``optimizer_ms``, ``host_ms``)."""
+    step = max((s.end_ms for s in spans), default=0.0)
+    on_compute = [s for s in spans if s.op.stream == COMPUTE]
+    idle, comm = idle_and_comm(spans)
+    work = [s for s in on_compute if s.op.kind == "compute"]
+    first = min((s.start_ms for s in work), default=step)
+    last = max((s.end_ms for s in work), default=0.0)
+    out = {
+        "step_ms": step,
+        "exposed_ms": intersect_length(idle, comm),
+        "exposed_first_ms": intersect_length(
+            [(a, min(b, first)) for a, b in idle if a < first], comm
+        ),
+        "exposed_last_ms": intersect_length([(max(a, last), b) for a, b in idle if b > last], comm),
+        "comm_busy_ms": sum(b - a for a, b in comm),
+        "sm_ms_taken": sum(s.lost_ms for s in on_compute),
+    }
+    out["exposed_between_ms"] = out["exposed_ms"] - out["exposed_first_ms"] - out["exposed_last_ms"]
+    for kind in ("compute", "layout", "optimizer", "host"):
+        out[f"{kind}_ms"] = sum(s.end_ms - s.start_ms for s in on_compute if s.op.kind == kind)
+    return out
