@@ -108,6 +108,10 @@ class Tide:
     gradients (no optimizer update; the learning-rate schedule still advances), log it
     and go on."""
 
+    max_skipped_steps: int = 10
+    """Under nonfinite = "skip": the run stops (as with "stop") once this many steps in a
+    row were not finite. A skipped step is never checkpointed. Must be >= 1."""
+
     corrupt_checkpoint: str = "stop"
     """A checkpoint whose files do not match the sha256 manifest written after its save.
     "stop": fail, naming the file and the previous good step. "previous": move the bad
@@ -124,6 +128,7 @@ class Tide:
         _check_int("rs_ctas", self.rs_ctas, minimum=0)
         _check_choice("slot_barrier", self.slot_barrier, SLOT_BARRIERS)
         _check_choice("nonfinite", self.nonfinite, NONFINITE)
+        _check_int("max_skipped_steps", self.max_skipped_steps, minimum=1)
         _check_choice("corrupt_checkpoint", self.corrupt_checkpoint, CORRUPT_CHECKPOINT)
         _check_int("watchdog_timeout_s", self.watchdog_timeout_s, minimum=0)
         for key in ("rs_rows", "rs_inflight"):
