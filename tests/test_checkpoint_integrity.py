@@ -276,3 +276,20 @@ def test_two_ranks_each_hash_their_own_dcp_files(tmp_path):
         assert sorted(part1["files"]) == ["__1_0.distcp"] and part1["world"] == 2, part1
         assert checkpoint.verify_step(str(root / f"step-{step}")) is None
     assert select_step(str(root), "stop") == 8
+
+
+def test_async_manifest_waits_for_the_save_and_skips_a_failed_one(tmp_path):
+    from concurrent.futures import Future
+
+    step_dir = _save(tmp_path / "checkpoint", 4, manifest=False)
+    save = Future()
+    chained = checkpoint._manifest_when_done(save, step_dir, 0, 1)
+    assert not chained.done() and not os.path.exists(manifest_part(step_dir, 0))
+    save.set_result("metadata")
+    assert chained.result(5) == "metadata" and os.path.isfile(manifest_part(step_dir, 0))
+    failed = Future()
+    chained = checkpoint._manifest_when_done(failed, str(tmp_path / "step-9"), 0, 1)
+    failed.set_exception(OSError("disk full"))
+    with pytest.raises(OSError, match="disk full"):
+        chained.result(5)
+    assert not (tmp_path / "step-9").exists()

@@ -339,8 +339,15 @@ def _load(self, step: int = -1) -> bool:
 
 
 def _hash_and_log(step_dir: str, rank: int, world: int, how: str) -> None:
+    """:func:`write_manifest` for a completed save, logged; a failed hash is logged, never
+    raised into training (the checkpoint itself is complete: it loads unverified)."""
     begin = time.monotonic()
-    nbytes = write_manifest(step_dir, rank, world)
+    try:
+        nbytes = write_manifest(step_dir, rank, world)
+    except Exception as e:  # noqa: BLE001
+        logger.warning("checkpoint %s: no manifest part from rank %d (%s: %s); it loads "
+                       "unverified", step_dir, rank, type(e).__name__, e)  # fmt: skip
+        return
     logger.info(
         "checkpoint %s: sha256 manifest of rank %d's files (%.2f GB) written in %.2f s (%s)",
         step_dir, rank, nbytes / 1e9, time.monotonic() - begin, how,
@@ -350,19 +357,16 @@ def _hash_and_log(step_dir: str, rank: int, world: int, how: str) -> None:
 def _manifest_when_done(future: Future, step_dir: str, rank: int, world: int) -> Future:
     """A future that completes like ``future``, after this rank's manifest part of the
     finished save is written (on the thread that completes ``future``). A failed save
-    gets no manifest; a failed hash is logged, never raised into training."""
+    gets no manifest."""
     chained: Future = Future()
 
     def finish(done: Future) -> None:
         error = done.exception()
-        if error is None:
-            try:
-                _hash_and_log(step_dir, rank, world, "asynchronous save, off the training thread")
-            except Exception as e:  # noqa: BLE001 - the checkpoint itself is complete
-                logger.warning("checkpoint %s: no manifest part from rank %d: %s", step_dir, rank, e)
-            chained.set_result(done.result())
-        else:
+        if error is not None:
             chained.set_exception(error)
+            return
+        _hash_and_log(step_dir, rank, world, "asynchronous save, off the training thread")
+        chained.set_result(done.result())
 
     future.add_done_callback(finish)
     return chained
