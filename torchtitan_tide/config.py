@@ -100,7 +100,8 @@ class Tide:
     peer (copy-engine slot barrier, all-gather run-ahead bound, point-to-point phases);
     past it the rank logs the operation, step and peers, aborts its process groups and
     exits non-zero.
-    0: TorchTitan's comm.train_timeout_seconds (comm.init_timeout_seconds in step 1)."""
+    0: TorchTitan's comm.train_timeout_seconds (at least comm.init_timeout_seconds in the
+    first step of each process: step 1, or the first step after a resume)."""
 
     nonfinite: str = "stop"
     """A NaN/inf loss or gradient norm. "stop": end the run with an error naming the
