@@ -158,7 +158,7 @@ def test_faulty_rank_ends_the_job_and_rerun_resumes(tmp_path, reference, mode, s
     # Resumed, not restarted: steps up to the checkpoint were logged by the first run only.
     assert [r.get("step") for r in records].count(1) == 1, records
     rerun = losses(records)
-    assert (folder / "checkpoint" / f"step-{INTERVAL}" / ".tide_sha256.json").is_file()
+    assert (folder / "checkpoint" / f"step-{INTERVAL}" / ".tide_sha256.0.json").is_file()
     assert sorted(rerun) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):  # later records (the rerun's) win in losses()
         assert rerun[step] == reference[step], (step, rerun, reference)

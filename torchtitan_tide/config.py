@@ -100,13 +100,18 @@ class Tide:
     peer (copy-engine slot barrier, all-gather run-ahead bound, point-to-point phases);
     past it the rank logs the operation, step and peers, aborts its process groups and
     exits non-zero.
-    0: TorchTitan's comm.train_timeout_seconds (comm.init_timeout_seconds in step 1)."""
+    0: TorchTitan's comm.train_timeout_seconds (at least comm.init_timeout_seconds in the
+    first step of each process: step 1, or the first step after a resume)."""
 
     nonfinite: str = "stop"
     """A NaN/inf loss or gradient norm. "stop": end the run with an error naming the
     step and the value (the step is never checkpointed). "skip": drop that step's
     gradients (no optimizer update; the learning-rate schedule still advances), log it
     and go on."""
+
+    max_skipped_steps: int = 10
+    """Under nonfinite = "skip": the run stops (as with "stop") once this many steps in a
+    row were not finite. A skipped step is never checkpointed. Must be >= 1."""
 
     corrupt_checkpoint: str = "stop"
     """A checkpoint whose files do not match the sha256 manifest written after its save.
@@ -124,6 +129,7 @@ class Tide:
         _check_int("rs_ctas", self.rs_ctas, minimum=0)
         _check_choice("slot_barrier", self.slot_barrier, SLOT_BARRIERS)
         _check_choice("nonfinite", self.nonfinite, NONFINITE)
+        _check_int("max_skipped_steps", self.max_skipped_steps, minimum=1)
         _check_choice("corrupt_checkpoint", self.corrupt_checkpoint, CORRUPT_CHECKPOINT)
         _check_int("watchdog_timeout_s", self.watchdog_timeout_s, minimum=0)
         for key in ("rs_rows", "rs_inflight"):

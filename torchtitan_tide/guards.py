@@ -1,13 +1,15 @@
 """Run guards around TorchTitan 0.2.2's Trainer: the TIDE watchdog and non-finite steps.
 
-:func:`install` patches four named functions (reversibly, :func:`uninstall`):
+:func:`install` patches five named functions (reversibly, :func:`uninstall`):
 
 - ``Trainer.train``: starts the TIDE watchdog (``comm.watchdog``) for the run, with
   ``[tide] watchdog_timeout_s`` or ``comm.train_timeout_seconds`` as the deadline
-  (``comm.init_timeout_seconds`` while step 1 runs, as TorchTitan lowers the process
-  group timeouts only after step 1), heartbeats in the default group's store; stops
-  it when training returns.
-- ``Trainer.train_step``: tells the watchdog the step; resets the step's losses.
+  (at least ``comm.init_timeout_seconds`` while the first step of this process runs,
+  whatever its number: lazy init, compilation and the first TIDE rendezvous happen
+  there, also in a resumed run, which TorchTitan leaves under its init timeout),
+  heartbeats in the default group's store; stops it when training returns.
+- ``Trainer.train_step``: tells the watchdog the step (and, from the second step of this
+  process on, the train deadline); resets the step's losses.
 - ``Trainer.forward_backward_step``: keeps each microbatch's (detached) loss.
 - ``torchtitan.distributed.utils.clip_grad_norm_`` (called by ``train_step`` right
   before the optimizer step): checks the step's loss and gradient norm. The norm is
@@ -16,7 +18,10 @@
   :class:`NonFiniteTrainingError` (step, loss, norm) on every rank before the
   optimizer step and the checkpoint save. ``"skip"``: drops the gradients
   (``grad = None``: the optimizer leaves those parameters alone), logs it, and
-  training goes on.
+  training goes on; the ``[tide] max_skipped_steps``-th non-finite step in a row is
+  skipped too and then raises :class:`NonFiniteTrainingError` as ``"stop"`` does.
+- ``CheckpointManager.save``: no checkpoint of a step that was skipped (logged when the
+  step was due for one); the next due step saves as usual.
 """
 
 from __future__ import annotations
@@ -41,7 +46,13 @@ class NonFiniteTrainingError(RuntimeError):
 
 
 # The step being trained and its microbatch losses (one trainer per process).
-_step_state: dict[str, Any] = {"step": 0, "losses": [], "policy": "stop", "skipped": 0}
+_step_state: dict[str, Any] = {
+    "step": 0, "losses": [], "policy": "stop", "max_skipped": 10,
+    "skipped": 0,  # steps skipped by this process
+    "consecutive_skipped": 0,  # ... since the last finite step
+    "last_skipped": False,  # the step being trained (or just trained) was skipped
+    "steps_run": 0,  # train_step calls of this process
+}  # fmt: skip
 _originals: dict[str, Any] = {}
 
 
@@ -58,12 +69,14 @@ def _start_watchdog(job_config: Any) -> watchdog.Watchdog:
         first, rank=dist.get_rank(), world_size=dist.get_world_size(), store=store,
         dump_folder=job_config.job.dump_folder,
     )  # fmt: skip
-    _step_state["timeout_s"] = float(timeout)  # from step 2 on
+    _step_state["timeout_s"] = float(timeout)  # from this process's second step on
     return watchdog.start(wd)
 
 
 def _train(self, *args, **kwargs):
-    _step_state.update(policy=self.job_config.tide.nonfinite, skipped=0)
+    tide = self.job_config.tide
+    _step_state.update(policy=tide.nonfinite, max_skipped=tide.max_skipped_steps, skipped=0,
+                       consecutive_skipped=0, last_skipped=False, steps_run=0)  # fmt: skip
     checkpoint.set_policy(self.job_config.tide.corrupt_checkpoint)
     _start_watchdog(self.job_config)
     # On failure the watchdog keeps running: ``explain_failure`` still reads heartbeats.
@@ -73,9 +86,23 @@ def _train(self, *args, **kwargs):
 
 
 def _train_step(self, *args, **kwargs):
-    _step_state.update(step=self.step, losses=[])
-    watchdog.set_step(self.step, _step_state.get("timeout_s") if self.step > 1 else None)
+    first = _step_state["steps_run"] == 0  # keeps the init deadline, whatever self.step is
+    _step_state.update(step=self.step, losses=[], last_skipped=False,
+                       steps_run=_step_state["steps_run"] + 1)  # fmt: skip
+    watchdog.set_step(self.step, None if first else _step_state.get("timeout_s"))
     return _originals["train_step"](self, *args, **kwargs)
+
+
+def _checkpoint_save(self, curr_step: int, last_step: bool = False) -> None:
+    if _step_state["last_skipped"] and curr_step == _step_state["step"]:
+        if self._should_save(curr_step, last_step):
+            logger.warning(
+                "step %d was skipped (not finite, [tide] nonfinite = \"skip\"): no "
+                "checkpoint of it is saved; the newest checkpoint stays the one before",
+                curr_step,
+            )
+        return None
+    return _originals["checkpoint_save"](self, curr_step, last_step)
 
 
 def _forward_backward_step(self, *args, **kwargs):
@@ -103,16 +130,29 @@ def check_step(grad_norm: torch.Tensor, parameters: list[torch.Tensor]) -> bool:
         dist.all_reduce(loss)  # the global loss (sum of local loss sums / global tokens)
     norm_value, loss_value = torch.stack([grad_norm.detach().float(), loss]).tolist()
     if math.isfinite(norm_value) and math.isfinite(loss_value):
+        _step_state["consecutive_skipped"] = 0
         return True
     step = _step_state["step"]
     what = f"step {step}: loss {loss_value} (summed over ranks), gradient norm {norm_value}"
     if _step_state["policy"] == "skip":
+        _step_state["consecutive_skipped"] += 1
+        in_a_row, bound = _step_state["consecutive_skipped"], _step_state["max_skipped"]
+        if in_a_row >= bound:
+            raise NonFiniteTrainingError(
+                f"{what} is not finite: {in_a_row} steps in a row were skipped ([tide] "
+                f"nonfinite = \"skip\", max_skipped_steps = {bound}): training stops; the "
+                "skipped steps are not checkpointed. Resume from the last checkpoint with a "
+                "lower learning rate, or raise [tide] max_skipped_steps."
+            )
         for p in parameters:
             p.grad = None
         _step_state["skipped"] += 1
+        _step_state["last_skipped"] = True
         logger.warning(
             "%s is not finite: step skipped ([tide] nonfinite = \"skip\"), no optimizer "
-            "update; %d step(s) skipped so far", what, _step_state["skipped"],
+            "update, no checkpoint; %d step(s) skipped so far, %d in a row (the run stops "
+            "at %d in a row: [tide] max_skipped_steps)",
+            what, _step_state["skipped"], in_a_row, bound,
         )  # fmt: skip
         return False
     raise NonFiniteTrainingError(
@@ -127,17 +167,19 @@ def install() -> None:
     if _originals:
         return
     import torchtitan.distributed.utils as dist_utils
+    from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.train import Trainer
 
     _originals.update(
         train=Trainer.train, train_step=Trainer.train_step,
         forward_backward_step=Trainer.forward_backward_step,
-        clip_grad_norm_=dist_utils.clip_grad_norm_,
+        clip_grad_norm_=dist_utils.clip_grad_norm_, checkpoint_save=CheckpointManager.save,
     )  # fmt: skip
     Trainer.train = _train
     Trainer.train_step = _train_step
     Trainer.forward_backward_step = _forward_backward_step
     dist_utils.clip_grad_norm_ = _clip_grad_norm_
+    CheckpointManager.save = _checkpoint_save
 
 
 def uninstall() -> None:
@@ -145,8 +187,10 @@ def uninstall() -> None:
     if not _originals:
         return
     import torchtitan.distributed.utils as dist_utils
+    from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.train import Trainer
 
+    CheckpointManager.save = _originals.pop("checkpoint_save")
     Trainer.train = _originals.pop("train")
     Trainer.train_step = _originals.pop("train_step")
     Trainer.forward_backward_step = _originals.pop("forward_backward_step")

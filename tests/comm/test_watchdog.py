@@ -173,3 +173,55 @@ def test_gloo_point_to_point_waits_are_bounded(tmp_path):
     assert "waited 1 s at step 0 for rank(s) 1 in TIDE-AG p2p gather" in cause
     assert raised is not None and "Timed out" in raised, raised
     assert 1.0 + watchdog._WAIT_GRACE_S - 0.5 < elapsed < 1.0 + watchdog._WAIT_GRACE_S + 5
+
+
+def test_second_caller_waits_for_the_first_report(tmp_path, monkeypatch):
+    """Polling thread and a host wait both past the deadline: one report, the first one's,
+    written (error file, tide_failures.txt) before the second caller's TimeoutError, and
+    one exit with 124. ``time.sleep`` returns at once, so only events order the threads."""
+    monkeypatch.setattr(watchdog.time, "sleep", lambda s: None)
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    exits, aborts = _Recorder(), _Recorder()
+    wd = watchdog.Watchdog(0.01, rank=0, world_size=2, exit_fn=exits, abort_fn=aborts,
+                           dump_folder=str(tmp_path), poll_s=60)  # fmt: skip
+    monkeypatch.setattr(watchdog, "_active", wd)  # no polling thread: the test fires
+    in_report, release, reports = threading.Event(), threading.Event(), []
+    real_report = watchdog.report
+
+    def slow_report(message, dump_folder):
+        in_report.set()
+        assert release.wait(10)
+        real_report(message, dump_folder)
+        reports.append(message)
+
+    monkeypatch.setattr(watchdog, "report", slow_report)
+    overdue = watchdog._Wait(0.0, "slot barrier", "g", (0, 1), lambda: False, 3)
+    first = threading.Thread(target=wd.fire, args=(overdue,))
+    first.start()
+    assert in_report.wait(10)
+    seen_at_raise: list[object] = []
+    second_done = threading.Event()
+
+    class NeverDone:
+        def query(self) -> bool:
+            return False
+
+    def second() -> None:
+        try:
+            watchdog.wait_event(NeverDone(), "TIDE-AG run-ahead bound", "g", (0, 1))
+        except TimeoutError:
+            seen_at_raise.append((list(reports), error_file.exists()))
+        second_done.set()
+
+    threading.Thread(target=second).start()
+    try:  # before the fix the second caller returned from fire (and raised) at once
+        assert not second_done.wait(0.5), seen_at_raise
+    finally:
+        release.set()
+    assert second_done.wait(10) and first.join(10) is None
+    assert seen_at_raise == [([wd.fired], True)], seen_at_raise
+    assert len(reports) == 1 and "at step 3" in reports[0] and "slot barrier" in reports[0]
+    assert json.loads(error_file.read_text())["message"]["message"] == wd.fired
+    assert watchdog.failure_summary(str(tmp_path)) == wd.fired
+    assert exits.calls == [(watchdog.EXIT_CODE,)] and len(aborts.calls) == 1

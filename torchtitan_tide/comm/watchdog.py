@@ -77,6 +77,9 @@ DEFAULT_TIMEOUT_S = 600.0  # host waits when no watchdog is active (torch's defa
 FAILURES_FILE = "tide_failures.txt"  # one line per failed rank, in the dump folder
 _STORE_READ_S = 5.0  # bound on reading peers' heartbeats while reporting
 _WAIT_GRACE_S = 5.0  # gloo waits time out this much after the watchdog would fire
+# A second caller of ``fire`` waits this long for the first one to end the process (its
+# report reads the store <= _STORE_READ_S, its abort is bounded to 10 s), then ends it.
+_SECOND_FIRE_WAIT_S = 30.0
 _HEARTBEAT_KEY = "tide_watchdog/"
 
 
@@ -147,6 +150,7 @@ class Watchdog:
         self._timed: collections.deque[_Wait] = collections.deque()  # polling thread only
         self.fired: str | None = None  # the cause, once fired
         self._fire_lock, self._firing = threading.Lock(), False
+        self._fire_ended = threading.Event()  # the first fire's exit_fn returned (tests only)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -262,21 +266,31 @@ class Watchdog:
         )
 
     def fire(self, overdue: _Wait) -> None:
-        """Report ``overdue``, abort the process groups and end the process. A second
-        caller (the polling thread and a host wait can both see a deadline pass) waits
-        for the first one to end the process instead of reporting again."""
+        """Report ``overdue``, abort the process groups and end the process. One report,
+        always the first: a second caller (the polling thread and a host wait can both
+        see a deadline pass) blocks until the first one has ended the process, so it
+        never raises past a deadline while the first report is unwritten (TorchTitan's
+        ``@record`` would then write torchrun's error file, and the exit code would not
+        be :data:`EXIT_CODE`). Should the first not end the process within
+        :data:`_SECOND_FIRE_WAIT_S`, the second does, with the same code."""
         with self._fire_lock:
             first = not self._firing
             self._firing = True
         if not first:
-            time.sleep(15.0)  # the first caller's abort is bounded to 10 s, then it exits
+            if not self._fire_ended.wait(_SECOND_FIRE_WAIT_S):
+                self.exit_fn(EXIT_CODE)
             return
-        self.fired = message = self.cause(overdue)
-        report(message, self.dump_folder)
-        aborter = threading.Thread(target=self.abort_fn, daemon=True)
-        aborter.start()
-        aborter.join(10.0)  # an abort that hangs does not keep the process alive
-        self.exit_fn(EXIT_CODE)
+        try:
+            self.fired = message = self.cause(overdue)
+            report(message, self.dump_folder)
+            aborter = threading.Thread(target=self.abort_fn, daemon=True)
+            aborter.start()
+            aborter.join(10.0)  # an abort that hangs does not keep the process alive
+        finally:
+            try:
+                self.exit_fn(EXIT_CODE)
+            finally:
+                self._fire_ended.set()
 
 
 def _probe(done: Callable[[], bool]) -> bool:
