@@ -57,7 +57,9 @@ class Tide:
     """Ranks per node as TIDE sees them. 0: detect (each rank's kernel boot id and launcher
     node rank; host names alone merge containers). Set it
     to test the cross-node path on one host, e.g. 1 to treat 2 GPUs as 2 nodes. Must divide
-    the data-parallel shard degree. Only read when comm = "tide"."""
+    every FSDP group TorchTitan builds: dp_shard x cp, and with expert parallelism the
+    experts' dp_shard x cp x tp / (ep x etp) (checked by the launcher). Only read when
+    comm = "tide"."""
 
     ag_pacing: int = _DEFAULT.pacing
     """TIDE-AG cross-node pacing: the most point-to-point chunks in flight per

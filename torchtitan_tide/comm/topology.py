@@ -29,6 +29,7 @@ from functools import cache
 import torch
 import torch.distributed as dist
 
+from .group_sizes import check_local_world_size
 from .options import TideOptions
 from .plan import WorldLayout
 
@@ -92,7 +93,8 @@ def resolve_local_world_size(options: TideOptions, keys: list[str]) -> tuple[int
     """Ranks per node of a group whose rank ``r`` is on node ``keys[r]``; returns
     ``(local_world_size, how it was found)``.
 
-    The option wins (it must divide the group size, else ``ValueError``). Otherwise
+    The option wins (it must divide the group size:
+    :func:`~.group_sizes.check_local_world_size`, a ``ValueError``). Otherwise
     the nodes decide: if every node holds one contiguous, equal-size block of group
     ranks, that block size; if not (e.g. an FSDP group strided across nodes with
     tensor parallelism inside the node), 1: every rank is treated as its own node,
@@ -100,12 +102,7 @@ def resolve_local_world_size(options: TideOptions, keys: list[str]) -> tuple[int
     world = len(keys)
     if options.local_world_size is not None:
         lws = options.local_world_size
-        if world % lws:
-            raise ValueError(
-                f"[tide] local_world_size = {lws} must divide the FSDP group size {world}; "
-                f"set it to a divisor of {world}, or leave it to detection ([tide] "
-                "local_world_size = 0, comm.apply option local_world_size=None)"
-            )
+        check_local_world_size(lws, {"this FSDP group": world})
         return lws, "option local_world_size"
     runs: list[list] = []  # [node key, count] per run of equal consecutive keys
     for key in keys:

@@ -1,0 +1,165 @@
+"""Install failures on CPU/gloo as a cluster meets them: an install error with
+``[tide] fallback = "fsdp2"`` (every rank trains stock FSDP2, the model untouched), a
+failure or a silent rank inside the collective set-up (every rank raises within
+``[tide] install_timeout_s``, naming the rank), and path changes after ``comm.apply``.
+
+One spawn of 2 ranks runs every case in order (process start-up dominates on 2 cores).
+The copy-engine set-up runs on CPU with its symmetric-memory calls replaced: the
+buffers are CPU tensors and ``symm_mem.rendezvous`` a fake that, like the real one,
+blocks in the store until every peer posted (or fails, or hangs, where injected)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from _harness import spawn
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def grep(self, text: str) -> list[str]:
+        return [m for m in self.messages if text in m]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(x).sum().backward()
+    return [p.grad.to_local().clone() for p in model.parameters()]
+
+
+def _assert_stock(model: nn.Module, hooks_before: int) -> None:
+    """Nothing of TIDE is left on ``model``: no mark, no hook, FSDP2's functions."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fpg
+
+    from torchtitan_tide.comm import fsdp_internals, fsdp_patch
+
+    assert fsdp_patch.installed_refcount() == 0
+    assert not hasattr(model, "_tide_comm_mode") and not hasattr(model, "_tide_ag_installed")
+    for _, g in fsdp_internals.fsdp_param_groups(model):
+        assert not hasattr(g, "_tide_ag_state") and not hasattr(g, "_tide_rs_state")
+    assert len(model._forward_pre_hooks) == hooks_before
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as coll
+
+    for name in fsdp_internals.PATCHED_NAMES:
+        assert getattr(fpg, name) is getattr(coll, name), name
+
+
+def _fallback_cases(rank: int, records: _Records) -> None:
+    """Item: an install error (here: topology on rank 1) with and without fallback."""
+    from torchtitan_tide.comm import topology
+    from torchtitan_tide.config import Tide
+    from torchtitan_tide.train_specs import CommModeError, apply_comm_mode
+
+    real_info = topology.local_rank_info
+
+    def info_fails(device):
+        raise RuntimeError("injected topology failure")
+
+    stock_grads = _grads(_model())
+    model = _model()
+    hooks = len(model._forward_pre_hooks)
+    if rank == 1:
+        topology.local_rank_info = info_fails
+    try:
+        with pytest.raises(CommModeError, match=r"(?s)rank 1: RuntimeError: injected "
+                           r"topology failure.*Set \[tide\] fallback = 'fsdp2'"):  # fmt: skip
+            apply_comm_mode(model, Tide(comm="tide"))
+        _assert_stock(model, hooks)
+        assert apply_comm_mode(model, Tide(comm="tide", fallback="fsdp2")) == "fsdp2"
+    finally:
+        topology.local_rank_info = real_info
+    said = records.grep(f"[rank {rank}] comm = 'tide' could not be set up (TideInstallError")
+    assert len(said) == 1 and "rank 1: RuntimeError: injected topology failure" in said[0], said
+    assert records.grep(f"[rank {rank}] comm mode 'fsdp2' on 3 FSDP modules")
+    _assert_stock(model, hooks)
+    for got, want in zip(_grads(model), stock_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _setup_cases(rank: int, records: _Records) -> None:
+    """Item: a failure (or a silent rank) inside the copy-engine set-up reaches the
+    other rank within install_timeout_s, with the failing rank and its message."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from torchtitan_tide import comm
+    from torchtitan_tide.comm import topology
+    from torchtitan_tide.comm.install import TideInstallError
+    from torchtitan_tide.comm.memory_plan import slot_alloc_bytes
+    from torchtitan_tide.comm.transport.copy_engine import SymmSlots
+
+    store = dist.distributed_c10d._get_default_store()
+    store.set_timeout(timedelta(seconds=40))  # the store/group timeout (minutes in a job)
+    waiter = store.clone()  # the fake rendezvous blocks here, not on the default client
+    real = (topology.choose_transport, SymmSlots.allocate, symm_mem.rendezvous)
+    topology.choose_transport = lambda *a, **k: ("copy_engine", "forced by the test")
+    SymmSlots.allocate = staticmethod(
+        lambda slot_bytes, device: torch.zeros(2 * slot_alloc_bytes(slot_bytes), dtype=torch.uint8)
+    )
+    bound = 3
+    try:
+        for case in ("fails", "hangs"):
+
+            def rendezvous(buffer, group_name, _case=case):
+                if rank == 1 and _case == "fails":
+                    raise RuntimeError("injected rendezvous failure")
+                if rank == 1:
+                    time.sleep(2 * bound)  # hung: never posts
+                waiter.get(f"fake-rendezvous/{_case}/{1 - rank}")  # the peer never posts
+                raise AssertionError("unreachable: rank 1 never posts")
+
+            symm_mem.rendezvous = rendezvous
+            model = _model()
+            hooks = len(model._forward_pre_hooks)
+            start = time.monotonic()
+            with pytest.raises(TideInstallError) as info:
+                comm.apply(model, "tide", install_timeout_s=bound)
+            elapsed = time.monotonic() - start
+            message = str(info.value)
+            if case == "fails":
+                assert elapsed < bound, (elapsed, message)
+                assert "rank 1 failed in TIDE-AG symmetric-memory rendezvous: RuntimeError: " \
+                       "injected rendezvous failure" in message or (
+                    rank == 1 and "rank 1: RuntimeError: injected rendezvous failure" in message
+                ), message  # fmt: skip
+            else:
+                assert elapsed < bound + 2, (elapsed, message)
+                assert "did not complete within [tide] install_timeout_s = 3 s" in message
+            _assert_stock(model, hooks)
+    finally:
+        topology.choose_transport, symm_mem.rendezvous = real[0], real[2]
+        SymmSlots.allocate = staticmethod(real[1])
+
+
+def _cases(rank: int, world: int) -> None:
+    records = _Records()
+    for name in ("", "torchtitan_tide"):
+        logging.getLogger(name).addHandler(records)
+    logging.getLogger().setLevel(logging.INFO)
+    _fallback_cases(rank, records)
+    _setup_cases(rank, records)
+
+
+def test_install_failures_cpu():
+    spawn(_cases, 2)
