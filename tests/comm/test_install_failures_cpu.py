@@ -1,7 +1,8 @@
 """Install failures on CPU/gloo as a cluster meets them: an install error with
 ``[tide] fallback = "fsdp2"`` (every rank trains stock FSDP2, the model untouched), a
 failure or a silent rank inside the collective set-up (every rank raises within
-``[tide] install_timeout_s``, naming the rank), and path changes after ``comm.apply``.
+``[tide] install_timeout_s``, naming the rank), path changes after ``comm.apply``, and
+ranks that reduce different parameter sets (per-rank branches).
 
 One spawn of 2 ranks runs every case in order (process start-up dominates on 2 cores).
 The copy-engine set-up runs on CPU with its symmetric-memory calls replaced: the
@@ -152,13 +153,104 @@ def _setup_cases(rank: int, records: _Records) -> None:
         SymmSlots.allocate = staticmethod(real[1])
 
 
+def _rs_calls(model: nn.Module) -> int:
+    from torchtitan_tide.comm.fsdp_internals import fsdp_param_groups
+
+    return sum(g._tide_rs_state.calls for _, g in fsdp_param_groups(model)
+               if hasattr(g, "_tide_rs_state"))  # fmt: skip
+
+
+def _after_apply_cases(rank: int, records: _Records) -> None:
+    """Item: a path change after comm.apply is logged once per group; fallback lines
+    name parameters by FQN."""
+    from torch.distributed.tensor import Shard
+
+    from torchtitan_tide import comm
+
+    stock_grads = _grads(_model())
+    model = _model()
+    comm.apply(model, "tide")
+    _grads(model)
+    assert _rs_calls(model) == 2
+    if hasattr(model, "set_separate_reduce_scatter_group"):  # torch >= 2.13
+        model.set_separate_reduce_scatter_group(True)
+        for _ in range(2):
+            model.zero_grad()
+            grads = _grads(model)
+        assert _rs_calls(model) == 2  # FSDP2's reduce-scatter from now on ...
+        said = records.grep("no longer the all-gather group TIDE-RS was set up on")
+        assert sorted(m.split(":")[0] for m in said) == ["TIDE-RS 0", "TIDE-RS 1"], said  # ... said
+        for got, want in zip(grads, stock_grads, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    comm.remove(model)
+
+    torch.manual_seed(0)
+    sharded_dim1 = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    fully_shard(sharded_dim1[0], shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else Shard(0))
+    fully_shard(sharded_dim1[1])
+    fully_shard(sharded_dim1)
+    comm.apply(sharded_dim1, "tide")
+    if rank == 0:  # rank 0 logs the decisions
+        assert records.grep("0: FSDP2 path (0.weight: Shard(1) placement)"), records.messages
+    assert not records.grep("param(16, 16)")
+    comm.remove(sharded_dim1)
+
+
+class _Branchy(nn.Module):
+    """One FSDP group whose ``extra`` layer only rank 0 runs (a per-rank branch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(16, 16)
+        self.extra = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.body(x)
+        return self.extra(x) if dist.get_rank() == 0 else x
+
+
+def _branch_cases(rank: int) -> None:
+    """Item: ranks that reduce different parameter sets get one clear error naming the
+    parameters and FSDP2's setting (not a transport error); with the setting, TIDE-RS
+    equals stock FSDP2 with it."""
+    from torchtitan_tide import comm
+    from torchtitan_tide.comm.reduce_scatter import GradientSetMismatch
+
+    def branchy() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(_Branchy())
+        fully_shard(model[0])
+        fully_shard(model)
+        return model
+
+    model = branchy()
+    comm.apply(model, "tide")
+    with pytest.raises(GradientSetMismatch) as info:
+        _grads(model)
+    message = str(info.value)
+    assert "group rank 1 has no gradient for ['0.extra.weight', '0.extra.bias']" in message
+    assert "set_reduce_scatter_unused_params(True)" in message
+    comm.remove(model)
+    if not hasattr(model, "set_reduce_scatter_unused_params"):
+        return
+    stock, tide = branchy(), branchy()
+    for m in (stock, tide):
+        m.set_reduce_scatter_unused_params(True)
+    comm.apply(tide, "tide")
+    for got, want in zip(_grads(tide), _grads(stock), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert _rs_calls(tide) == 1
+    comm.remove(tide)
+
+
 def _cases(rank: int, world: int) -> None:
     records = _Records()
-    for name in ("", "torchtitan_tide"):
-        logging.getLogger(name).addHandler(records)
+    logging.getLogger().addHandler(records)  # TorchTitan's logger; TIDE's propagate to it
     logging.getLogger().setLevel(logging.INFO)
     _fallback_cases(rank, records)
     _setup_cases(rank, records)
+    _after_apply_cases(rank, records)
+    _branch_cases(rank)
 
 
 def test_install_failures_cpu():

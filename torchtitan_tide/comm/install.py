@@ -189,7 +189,10 @@ def _settle_transports(cands: list[_Candidate], gathered: dict[int, list[dict]])
         )
 
 
-def _build_plans(cands: list[_Candidate], decisions: list[str]) -> list[_Candidate]:
+def _build_plans(
+    cands: list[_Candidate], decisions: list[str], fqns: dict[int, str]
+) -> list[_Candidate]:
+    """Plan every candidate with a transport (local); ``fqns``: parameter names."""
     taken = []
     for c in cands:
         if c.kind is None:
@@ -197,7 +200,7 @@ def _build_plans(cands: list[_Candidate], decisions: list[str]) -> list[_Candida
             continue
         specs = [
             ParamSpec(
-                fqn=fsdp_internals.param_fqn(fp),
+                fqn=fsdp_internals.param_fqn(fp, fqns),
                 shard_numel=fp._sharded_param_data.numel(),
                 dtype=str(fsdp_internals.ag_dtype(fp, c.pg.mp_policy)),
                 unsupported=fsdp_internals.unsupported_param_reason(fp),
@@ -465,7 +468,7 @@ def install(model: nn.Module, options: TideOptions) -> None:
         # Local work that can fail alone (plans, symmetric buffers) before any rendezvous.
         error, taken, pending = None, [], {}
         try:
-            taken = _build_plans(cands, decisions)
+            taken = _build_plans(cands, decisions, fsdp_internals.param_fqns(model))
             pending = _allocate_slots(taken, options)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             error = _error_text(e)
