@@ -54,9 +54,9 @@ def _assert_stock(model: nn.Module, hooks_before: int) -> None:
     """Nothing of TIDE is left on ``model``: no mark, no hook, FSDP2's functions."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fpg
 
-    from torchtitan_tide.comm import fsdp_internals, fsdp_patch
+    from torchtitan_tide.comm import fsdp_internals, fsdp_patch, transport
 
-    assert fsdp_patch.installed_refcount() == 0
+    assert fsdp_patch.installed_refcount() == 0 and not transport._GLOBAL_RANKS
     assert not hasattr(model, "_tide_comm_mode") and not hasattr(model, "_tide_ag_installed")
     for _, g in fsdp_internals.fsdp_param_groups(model):
         assert not hasattr(g, "_tide_ag_state") and not hasattr(g, "_tide_rs_state")

@@ -32,7 +32,12 @@ from .options import TideOptions
 from .plan import ParamSpec, WorldLayout, build_group_plan
 from .reduce_scatter import RSBuffers, TideRSState
 from .setup_steps import SetupSteps
-from .transport import AllGatherTransport, ReduceScatterTransport, group_global_ranks
+from .transport import (
+    AllGatherTransport,
+    ReduceScatterTransport,
+    clear_global_ranks,
+    group_global_ranks,
+)
 from .transport.copy_engine import CopyEngineTransport, SymmSlots
 from .transport.p2p import P2PTransport
 
@@ -483,6 +488,8 @@ def install(model: nn.Module, options: TideOptions) -> None:
             gathered = _agree(groups, "set-up", {"rank": me, "error": error, "log": decisions})
         except TideInstallError:
             _drop(ctx)
+            if fsdp_patch.installed_refcount() == 0:
+                clear_global_ranks()  # nothing of this install stays cached
             raise
     _log_decisions(decisions, gathered[id(groups[0][0])][0]["log"])
     setattr(model, _MODEL_ATTR, ctx)
