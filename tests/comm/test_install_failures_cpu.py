@@ -243,6 +243,30 @@ def _branch_cases(rank: int) -> None:
     comm.remove(tide)
 
 
+def _node_group_case(rank: int) -> None:
+    """Item: the node-local group's real creation barrier (``dist.new_group``), bounded:
+    rank 1 fails before it joins; rank 0 raises at once, naming rank 1 (bare, it waits
+    in the barrier for the group timeout). Last: the abandoned barrier thread keeps the
+    default store client and torch's group counter differs across ranks afterwards."""
+    from torchtitan_tide.comm.setup_steps import SetupFailed, SetupSteps
+
+    steps = SetupSteps(install=10**6, timeout_s=3)
+
+    def make_group():
+        if rank == 1:
+            raise RuntimeError("injected new_group failure")
+        return dist.new_group([0, 1], timeout=timedelta(seconds=3), use_local_synchronization=True)
+
+    start = time.monotonic()
+    with pytest.raises((SetupFailed, RuntimeError)) as info:
+        steps.run("node-local group", "case", [0, 1], make_group)
+    assert time.monotonic() - start < 3
+    if rank == 0:
+        assert isinstance(info.value, SetupFailed)
+        assert "rank 1 failed in node-local group: RuntimeError: injected new_group failure" \
+            in str(info.value)  # fmt: skip
+
+
 def _cases(rank: int, world: int) -> None:
     records = _Records()
     logging.getLogger().addHandler(records)  # TorchTitan's logger; TIDE's propagate to it
@@ -251,6 +275,7 @@ def _cases(rank: int, world: int) -> None:
     _setup_cases(rank, records)
     _after_apply_cases(rank, records)
     _branch_cases(rank)
+    _node_group_case(rank)
 
 
 def test_install_failures_cpu():

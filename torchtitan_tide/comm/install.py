@@ -287,6 +287,8 @@ def _connect_slots(
     once): the node-local group of each pending key and the rendezvous of its buffers.
     A failure raises here on every rank of the node (the agreement after this turns it
     into one error on every rank of the FSDP groups)."""
+    if not pending:
+        return {}, {}
     steps = SetupSteps(install_seq, options.install_timeout_s)
     ag_slots: dict = {}
     rs_slots: dict = {}
@@ -297,7 +299,7 @@ def _connect_slots(
         scope = f"slots{k}/node{node}"
         node_group = steps.run(
             "node-local group", scope, peers,
-            lambda p=p, g=global_ranks: _node_local_group(p, g),
+            lambda p=p, g=global_ranks: _node_local_group(p, g, options.install_timeout_s),
         )  # fmt: skip
         if node_group is not p.group:
             ctx.node_groups.append(node_group)
@@ -328,8 +330,10 @@ def _connect_slots(
     return ag_slots, rs_slots
 
 
-def _node_local_group(p: _PendingSlots, global_ranks: tuple[int, ...]) -> dist.ProcessGroup:
-    node_group = topology.make_node_local_group(p.group, p.layout, list(global_ranks))
+def _node_local_group(
+    p: _PendingSlots, global_ranks: tuple[int, ...], timeout_s: float
+) -> dist.ProcessGroup:
+    node_group = topology.make_node_local_group(p.group, p.layout, list(global_ranks), timeout_s)
     if node_group is None:
         raise RuntimeError(
             "the copy engine across nodes needs a node-local process group, and "
