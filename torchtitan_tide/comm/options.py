@@ -53,12 +53,13 @@ class TideOptions:
         group's backend; both names select the same code, the name only
         documents the expected backend and is checked against it.
     local_world_size:
-        Ranks per node within the FSDP group. ``None`` (or 0, as the TOML writes
-        it): found from the nodes of the group's ranks (``topology.resolve_local_world_size``; right for
-        strided sub-groups where ``LOCAL_WORLD_SIZE`` or the device count are
-        not). Set it to test the cross-node path on one machine,
-        e.g. 1 on 2 GPUs (2 "nodes" of 1) or 2 on 4 gloo ranks (2 x 2). Must
-        divide the size of every FSDP group.
+        Ranks per node within the FSDP group. ``None`` (or 0, as the TOML
+        writes it): found from the nodes of the group's ranks
+        (``topology.resolve_local_world_size``; right for strided sub-groups
+        where ``LOCAL_WORLD_SIZE`` or the device count are not). Set it to
+        test the cross-node path on one machine, e.g. 1 on 2 GPUs (2 "nodes"
+        of 1) or 2 on 4 gloo ranks (2 x 2). Must divide the size of every FSDP
+        group (``group_sizes.check_local_world_size``).
     pacing:
         Maximum number of chunks (one contiguous range of one parameter) posted
         per direction in one batch of point-to-point operations. A step of the
