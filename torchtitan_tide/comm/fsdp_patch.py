@@ -98,14 +98,29 @@ def _tide_state_for(fsdp_params, group) -> TideGroupState | None:
     if param_group is None or param_group.fsdp_params is not fsdp_params:
         return None
     state: TideGroupState | None = getattr(param_group, _GROUP_ATTR, None)
-    if state is None or group is not state.group:
+    if state is None:
         return None
-    if any(fp.sharded_state != ShardedState.SHARDED for fp in fsdp_params):
+    if group is not state.group or any(
+        fp.sharded_state != ShardedState.SHARDED for fp in fsdp_params
+    ):
+        _say_other_group_once(param_group, state.fqn)
         return None
     if getattr(param_group, "_all_gather_comm", None) is not state.fsdp_comm:
         _warn_custom_all_gather(param_group, state.fqn)
         return None
     return state
+
+
+def _say_other_group_once(param_group, fqn: str) -> None:
+    """An all-gather of a TIDE group on another process group or from another sharded
+    state (the post-forward mesh of ``reshard_after_forward=int``) is FSDP2's, said once."""
+    if not getattr(param_group, "_tide_other_group_logged", False):
+        param_group._tide_other_group_logged = True
+        logger.info(
+            "TIDE %s: all-gathers on another process group than the one TIDE-AG was set up "
+            "on (e.g. the post-forward mesh of reshard_after_forward=int) take FSDP2's path",
+            fqn,
+        )
 
 
 def _warn_custom_all_gather(param_group, fqn: str) -> None:
