@@ -127,6 +127,7 @@ def _setup_cases(rank: int, records: _Records) -> None:
                 comm.apply(model, "tide", install_timeout_s=bound)
             elapsed = time.monotonic() - start
             message = str(info.value)
+            print(f"[rank {rank}] rendezvous {case}: raised after {elapsed:.2f} s")
             if case == "fails":
                 assert elapsed < bound, (elapsed, message)
                 assert "rank 1 failed in TIDE-AG symmetric-memory rendezvous: RuntimeError: " \
