@@ -33,6 +33,9 @@ def test_defaults_are_stock_fsdp2():
         ({"rs_rows": "2"}, ["rs_rows", "integer"]),
         ({"rs_inflight": 0}, ["rs_inflight", ">= 1"]),
         ({"slot_reuse": 1}, ["slot_reuse", "boolean"]),
+        ({"slot_barrier": "spin"}, ["slot_barrier", "'spin'", "kernel"]),
+        ({"install_timeout_s": 0}, ["install_timeout_s", ">= 1"]),
+        ({"install_timeout_s": 2.5}, ["install_timeout_s", "integer"]),
         ({"com": "tide"}, ["unknown key", "'com'", "comm"]),
         ({"comm": "tide", "transport": "x"}, ["unknown key", "'transport'", "ag_transport"]),
     ],
@@ -52,7 +55,7 @@ def test_tide_options_forwarded_only_for_tide():
     assert tide.comm_options() == {
         "transport": "nccl_p2p", "local_world_size": 1, "pacing": 4, "reduce_scatter": "fsdp2",
         "rs_ctas": 8, "rs_rows": 2, "rs_inflight": 2, "slot_reuse": True,
-        "slot_barrier": "kernel",
+        "slot_barrier": "kernel", "install_timeout_s": 120,
     }
     assert tide.options_ignored_by_mode() == []
     stock = Tide(comm="fsdp2", ag_transport="nccl_p2p", slot_reuse=False)
@@ -65,6 +68,25 @@ def test_tide_options_forwarded_only_for_tide():
     assert TideOptions.from_kwargs(**tide.comm_options()).slot_barrier == "kernel"
     with pytest.raises(ValueError, match="slot_barrier"):
         TideOptions(slot_barrier="spin")
+
+
+def test_one_validation_for_toml_and_comm_apply():
+    """The [tide] section and comm.apply's options are one type with one validation:
+    the same bad value fails alike through both, naming the TOML key and the keyword."""
+    from torchtitan_tide.comm import TideOptions
+    from torchtitan_tide.comm.options import TideOptionError
+
+    for key, kwarg, value in (("ag_pacing", "pacing", -2), ("rs_rows", "rs_rows", 0),
+                              ("ag_transport", "transport", "nvls")):  # fmt: skip
+        with pytest.raises(TideConfigError) as toml_error:
+            validate_tide_table({key: value})
+        with pytest.raises(TideOptionError) as apply_error:
+            TideOptions.from_kwargs(**{kwarg: value})
+        assert str(toml_error.value) == str(apply_error.value)
+        assert f"[tide] {key}" in str(apply_error.value)
+    # Defaults come from TideOptions; 0 is "detect" in both.
+    assert Tide(comm="tide").tide_options() == TideOptions()
+    assert TideOptions(local_world_size=0).local_world_size is None
 
 
 def test_config_file_checks(tmp_path):
@@ -110,7 +132,7 @@ def test_torchtitan_config_manager_merges_tide_section(repo, capsys):
         )
     printed = capsys.readouterr()
     text = " ".join((printed.out + printed.err).replace("│", " ").split())
-    assert "[tide] ag_transport = 'carrier_pigeon' is not valid" in text
+    assert "[tide] ag_transport (comm.apply option transport) = 'carrier_pigeon' is not valid" in text
 
 
 def test_every_shipped_config_validates(repo):

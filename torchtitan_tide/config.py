@@ -4,15 +4,16 @@ TorchTitan merges this module's ``JobConfig`` into its own when a TOML file sets
 ``[job] custom_config_module = "torchtitan_tide.config"``. Every option is a
 field of :class:`Tide`; values are checked in ``Tide.__post_init__`` and unknown
 keys by :func:`validate_tide_table`, so a bad TOML fails before any process
-group exists, with an error that names the key and the fix.
+group exists, with an error that names the key and the fix. The TIDE-AG/RS options
+are those of ``comm.options.TideOptions`` (the source: defaults and validation), under
+their TOML names (``comm.options.TOML_KEYS``); :meth:`Tide.tide_options` derives one.
 """
 
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from models.wan22.job_config import Wan22DataConfig
-from torchtitan_tide.comm.options import REDUCE_SCATTERS, SLOT_BARRIERS
-from torchtitan_tide.comm.options import TRANSPORTS as AG_TRANSPORTS
+from torchtitan_tide.comm.options import TideOptionError, TideOptions, toml_key
 
 try:
     import tomllib
@@ -23,11 +24,10 @@ COMM_MODES = ("fsdp2", "symm_mem", "tide")
 FALLBACKS = ("none", "fsdp2")
 NONFINITE = ("stop", "skip")
 CORRUPT_CHECKPOINT = ("stop", "previous")
-# Options read only when comm = "tide".
-TIDE_ONLY_KEYS = (
-    "ag_transport", "local_world_size", "ag_pacing",
-    "reduce_scatter", "rs_ctas", "rs_rows", "rs_inflight", "slot_reuse", "slot_barrier",
-)  # fmt: skip
+# Options read only when comm = "tide": TideOptions' fields, by their [tide] keys.
+TIDE_ONLY_KEYS = tuple(toml_key(f.name) for f in fields(TideOptions))
+_OPTION_OF_KEY = {toml_key(f.name): f.name for f in fields(TideOptions)}
+_DEFAULT = TideOptions()
 
 
 class TideConfigError(ValueError):
@@ -48,7 +48,7 @@ class Tide:
     "none": fail with an error that says why. "fsdp2": run stock FSDP2 instead and log the
     fallback on every rank."""
 
-    ag_transport: str = "auto"
+    ag_transport: str = _DEFAULT.transport
     """TIDE-AG transport. "auto": copy engine between GPUs of one node, NCCL point-to-point
     across nodes, gloo point-to-point on CPU. "copy_engine" | "nccl_p2p" | "gloo" force one.
     Only read when comm = "tide"."""
@@ -57,38 +57,47 @@ class Tide:
     """Ranks per node as TIDE sees them. 0: detect (each rank's kernel boot id and launcher
     node rank; host names alone merge containers). Set it
     to test the cross-node path on one host, e.g. 1 to treat 2 GPUs as 2 nodes. Must divide
-    the data-parallel shard degree. Only read when comm = "tide"."""
+    every FSDP group TorchTitan builds: dp_shard x cp, and with expert parallelism the
+    experts' dp_shard x cp x tp / (ep x etp) (checked by the launcher). Only read when
+    comm = "tide"."""
 
-    ag_pacing: int = 0
+    ag_pacing: int = _DEFAULT.pacing
     """TIDE-AG cross-node pacing: the most point-to-point chunks in flight per
     recursive-doubling step. 0: no limit. Only read when comm = "tide"."""
 
-    reduce_scatter: str = "tide"
+    reduce_scatter: str = _DEFAULT.reduce_scatter
     """Reduce-scatter under comm = "tide". "tide": TIDE-RS (bf16 gradients read in place,
     fp32 accumulation by a few-CTA kernel, cross-node phase over point-to-point).
     "fsdp2": keep FSDP2's reduce-scatter (TIDE-AG only)."""
 
-    rs_ctas: int = 0
+    rs_ctas: int = _DEFAULT.rs_ctas
     """CTAs of the TIDE-RS accumulate kernel. 0 (default): short-lived CTAs, one per 16K
     elements, scheduled on free SMs at the compute stream's priority (measured best on
     2x H200: fastest step, +11% on a GEMM beside it). N > 0: N persistent CTAs (never more
     than N SMs, ~50 GB/s each on H200, so a long kernel that GEMM CTAs wait behind)."""
 
-    rs_rows: int = 2
+    rs_rows: int = _DEFAULT.rs_rows
     """TIDE-RS source rows per staging slot (node-local peers summed per kernel pass);
     the staging buffer is rs_rows x the largest FSDP group's shard, whatever the GPU count."""
 
-    rs_inflight: int = 2
+    rs_inflight: int = _DEFAULT.rs_inflight
     """TIDE-RS cross-node phase: fp32 partials allowed to wait for the network at once."""
 
-    slot_reuse: bool = True
+    slot_reuse: bool = _DEFAULT.slot_reuse
     """Copy engine: TIDE-RS stages gradients in TIDE-AG's symmetric slots instead of a
     buffer of its own."""
 
-    slot_barrier: str = "copy_engine"
+    slot_barrier: str = _DEFAULT.slot_barrier
     """Copy engine: how local peers synchronize on the slots. "copy_engine": stream
     flag writes and waits, no SM kernel. "kernel": torch's symmetric-memory barrier
     kernel (1 CTA spinning on an SM while it waits)."""
+
+    install_timeout_s: int = _DEFAULT.install_timeout_s
+    """Seconds each step of TIDE's collective set-up at install (node-local process
+    groups, symmetric-memory rendezvous, exchange of slot details) waits for the other
+    ranks of its node. A rank that fails in a step tells its peers at once; past the bound
+    a silent peer (hung or dead) fails the step on every rank waiting for it, naming it.
+    Only read when comm = "tide"."""
 
     metrics_jsonl: bool = True
     """Write every logged step's metrics (loss, grad norm, memory, timings) to
@@ -122,44 +131,34 @@ class Tide:
     def __post_init__(self) -> None:
         _check_choice("comm", self.comm, COMM_MODES)
         _check_choice("fallback", self.fallback, FALLBACKS)
-        _check_choice("ag_transport", self.ag_transport, AG_TRANSPORTS)
-        _check_int("local_world_size", self.local_world_size, minimum=0)
-        _check_int("ag_pacing", self.ag_pacing, minimum=0)
-        _check_choice("reduce_scatter", self.reduce_scatter, REDUCE_SCATTERS)
-        _check_int("rs_ctas", self.rs_ctas, minimum=0)
-        _check_choice("slot_barrier", self.slot_barrier, SLOT_BARRIERS)
         _check_choice("nonfinite", self.nonfinite, NONFINITE)
         _check_int("max_skipped_steps", self.max_skipped_steps, minimum=1)
         _check_choice("corrupt_checkpoint", self.corrupt_checkpoint, CORRUPT_CHECKPOINT)
         _check_int("watchdog_timeout_s", self.watchdog_timeout_s, minimum=0)
-        for key in ("rs_rows", "rs_inflight"):
-            _check_int(key, getattr(self, key), minimum=1)
-        if not isinstance(self.slot_reuse, bool):
-            raise TideConfigError(
-                f"[tide] slot_reuse = {self.slot_reuse!r} is not a boolean; "
-                "write slot_reuse = true or false"
-            )
         if not isinstance(self.metrics_jsonl, bool):
             raise TideConfigError(
                 f"[tide] metrics_jsonl = {self.metrics_jsonl!r} is not a boolean; "
                 "write metrics_jsonl = true or false"
             )
+        self.tide_options()  # the TIDE-AG/RS options: TideOptions' validation
+
+    def tide_options(self) -> TideOptions:
+        """The TIDE-AG/RS options of this section (validated by ``TideOptions``).
+
+        Raises:
+            TideConfigError: naming the bad ``[tide]`` key and the fix.
+        """
+        try:
+            return TideOptions(**{name: getattr(self, key) for key, name in _OPTION_OF_KEY.items()})
+        except TideOptionError as exc:
+            raise TideConfigError(str(exc)) from None
 
     def comm_options(self) -> dict[str, Any]:
-        """Options for ``torchtitan_tide.comm.apply``; empty unless comm = "tide"."""
+        """Keyword options for ``torchtitan_tide.comm.apply``; empty unless comm = "tide"."""
         if self.comm != "tide":
             return {}
-        return {
-            "transport": self.ag_transport,
-            "local_world_size": self.local_world_size or None,
-            "pacing": self.ag_pacing,
-            "reduce_scatter": self.reduce_scatter,
-            "rs_ctas": self.rs_ctas,
-            "rs_rows": self.rs_rows,
-            "rs_inflight": self.rs_inflight,
-            "slot_reuse": self.slot_reuse,
-            "slot_barrier": self.slot_barrier,
-        }
+        options = self.tide_options()
+        return {f.name: getattr(options, f.name) for f in fields(options)}
 
     def options_ignored_by_mode(self) -> list[str]:
         """Names of TIDE-only options set away from their defaults while comm != "tide"."""

@@ -38,6 +38,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from torchtitan_tide.comm.group_sizes import check_local_world_size, fsdp_group_sizes
+from torchtitan_tide.comm.options import TideOptionError
 from torchtitan_tide.config import Tide, check_config_table, load_toml, validate_tide_table
 
 REPO_CONFIG_DIR = Path(__file__).resolve().parents[1] / "train_configs"
@@ -308,15 +310,17 @@ def check_run_values(table: dict, values: dict[str, str], world: "World", tide: 
                 f"--training.global_batch_size {global_batch} must be a multiple of "
                 f"local_batch_size x data-parallel degree = {per_step} (or -1: no accumulation)"
             )
-    lws = tide.local_world_size
-    if tide.comm == "tide" and lws and degrees["dp_shard"] % lws:
-        group = degrees["dp_shard"]
-        divisors = [d for d in range(1, group + 1) if group % d == 0]
-        raise LaunchError(
-            f"--tide.local_world_size {lws} must divide the FSDP group size {group} "
-            f"(data-parallel shard degree on {world.size} ranks); use one of {divisors}, "
-            "or 0 to group ranks by host name"
-        )
+    if tide.comm == "tide":
+        expert = {
+            key: _as_number(f"parallelism.{name}", _setting(table, values, f"parallelism.{name}") or 1, int)
+            for key, name in (("ep", "expert_parallel_degree"), ("etp", "expert_tensor_parallel_degree"))
+        }  # fmt: skip
+        sizes = fsdp_group_sizes(degrees["dp_shard"], degrees["cp"], degrees["tp"], **expert)
+        try:
+            check_local_world_size(tide.local_world_size, sizes,
+                                   f"--tide.local_world_size {tide.local_world_size}")  # fmt: skip
+        except TideOptionError as exc:
+            raise LaunchError(f"{exc} ({world.size} ranks)") from None
 
 
 def _env_int(name: str, default: int) -> int:

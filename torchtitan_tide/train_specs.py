@@ -22,8 +22,11 @@ from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_
 from torchtitan.tools.logging import logger
 
 from torchtitan_tide import comm
+from torchtitan_tide.comm.group_sizes import check_local_world_size, fsdp_group_sizes
+from torchtitan_tide.comm.install import TideInstallError
+from torchtitan_tide.comm.options import TideOptionError
 from torchtitan_tide.comm.symm_mem import SymmMemUnavailable
-from torchtitan_tide.config import Tide
+from torchtitan_tide.config import Tide, TideConfigError
 from torchtitan_tide.data import register_dataset, resolve_asset_path
 from torchtitan_tide.metrics import build_metrics_processor_with_jsonl
 
@@ -57,8 +60,10 @@ def apply_comm_mode(model: nn.Module, tide: Tide) -> str:
 
     Raises:
         CommModeError: the mode is not implemented yet, needs FSDP, or cannot run on
-            this backend or hardware (symm_mem: :class:`SymmMemUnavailable`, decided
-            alike on every rank) and ``fallback`` is "none".
+            this backend or hardware (symm_mem: :class:`SymmMemUnavailable`; tide: a
+            ``TideInstallError`` from install; both raised alike on every rank) and
+            ``fallback`` is "none". With ``fallback = "fsdp2"`` every rank logs why and
+            returns "fsdp2", the model untouched by the failed set-up.
     """
     mode = tide.comm
     rank = dist.get_rank()
@@ -92,11 +97,17 @@ def apply_comm_mode(model: nn.Module, tide: Tide) -> str:
     if mode != "fsdp2":
         try:
             comm.apply(model, mode=mode, **tide.comm_options())
-        except SymmMemUnavailable as exc:  # raised alike on every rank of the FSDP group
+        except (SymmMemUnavailable, TideInstallError) as exc:
+            # Raised alike on every rank of the FSDP groups (install agrees on failures
+            # and frees what it set up: the model is stock FSDP2 again).
             if tide.fallback != "fsdp2":
-                raise CommModeError(str(exc)) from exc
+                raise CommModeError(
+                    f"{exc}\nSet [tide] fallback = 'fsdp2' to train with stock FSDP2 "
+                    "instead when comm cannot be set up."
+                ) from exc
             logger.warning(
-                f"[rank {rank}] {exc}; falling back to comm = 'fsdp2' as [tide] fallback asks"
+                f"[rank {rank}] comm = {mode!r} could not be set up ({type(exc).__name__}: "
+                f"{exc}); falling back to comm = 'fsdp2' as [tide] fallback asks"
             )
             mode = "fsdp2"
     logger.info(
@@ -117,6 +128,22 @@ def nccl_version_string() -> str:
         return f"NCCL version unknown ({exc})"
 
 
+def check_group_sizes(tide: Tide, parallel_dims: ParallelDims) -> None:
+    """``[tide] local_world_size`` against the FSDP groups ``parallel_dims`` builds (as
+    the launcher checks it; here for runs started without it).
+
+    Raises:
+        TideConfigError: naming the key, the groups and the values that work.
+    """
+    d = parallel_dims
+    try:
+        check_local_world_size(
+            tide.local_world_size, fsdp_group_sizes(d.dp_shard, d.cp, d.tp, d.ep, d.etp)
+        )
+    except TideOptionError as exc:
+        raise TideConfigError(str(exc)) from None
+
+
 def wrap_parallelize(parallelize_fn: ParallelizeFn) -> ParallelizeFn:
     """Run TorchTitan's ``parallelize_fn``, then :func:`apply_comm_mode`."""
 
@@ -124,6 +151,8 @@ def wrap_parallelize(parallelize_fn: ParallelizeFn) -> ParallelizeFn:
         model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig
     ) -> nn.Module:
         model = parallelize_fn(model, parallel_dims, job_config)
+        if job_config.tide.comm == "tide":
+            check_group_sizes(job_config.tide, parallel_dims)
         apply_comm_mode(model, job_config.tide)
         return model
 

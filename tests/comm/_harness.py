@@ -16,6 +16,7 @@ written, and a check that no NaN is left after.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -26,6 +27,20 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+class LogRecords(logging.Handler):
+    """Every message logged through the logger it is added to (tests grep them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def grep(self, text: str) -> list[str]:
+        return [m for m in self.messages if text in m]
 
 
 def free_port() -> int:

@@ -13,22 +13,11 @@ import logging
 import pytest
 import torch
 import torch.distributed as dist
+from _harness import LogRecords as _Records
 from _harness import spawn
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-    def grep(self, text: str) -> list[str]:
-        return [m for m in self.messages if text in m]
 
 
 def _model(layers: int = 2) -> nn.Module:

@@ -39,6 +39,8 @@ __all__ = [
     "fsdp_param_groups",
     "get_patched",
     "group_root_fqns",
+    "param_fqn",
+    "param_fqns",
     "set_patched",
     "shard_bytes",
     "shard_group",
@@ -156,8 +158,24 @@ def unsupported_param_reason(fsdp_param) -> str | None:
     return None
 
 
-def param_fqn(fsdp_param) -> str:
-    return getattr(fsdp_param, "_param_fqn", None) or f"param{tuple(fsdp_param._orig_size)}"
+def param_fqns(model: nn.Module) -> dict[int, str]:
+    """``id(FSDPParam) -> its parameter's FQN in model``, as FSDP2's ``_init_fqns``
+    finds it (which sets ``_param_fqn`` only at lazy init, after ``comm.apply``)."""
+    by_param = {
+        id(fp.sharded_param): fp for _, g in fsdp_param_groups(model) for fp in g.fsdp_params
+    }
+    return {
+        id(by_param[id(p)]): name for name, p in model.named_parameters() if id(p) in by_param
+    }
+
+
+def param_fqn(fsdp_param, fqns: dict[int, str]) -> str:
+    """The FQN of ``fsdp_param`` (``fqns``: :func:`param_fqns`; FSDP2's own once set)."""
+    return (
+        fqns.get(id(fsdp_param))
+        or getattr(fsdp_param, "_param_fqn", None)
+        or f"param{tuple(fsdp_param._orig_size)}"
+    )
 
 
 def shard_bytes(param_group, which: str, align: int = 1) -> int:

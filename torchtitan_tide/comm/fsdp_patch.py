@@ -44,6 +44,7 @@ from .all_gather import (
 from .fsdp_internals import fsdp_param_groups
 from .reduce_scatter import (
     TideRSState,
+    check_gradient_sets,
     rows_per_round,
     rs_numerics_note,
     rs_unsupported_reason,
@@ -97,14 +98,29 @@ def _tide_state_for(fsdp_params, group) -> TideGroupState | None:
     if param_group is None or param_group.fsdp_params is not fsdp_params:
         return None
     state: TideGroupState | None = getattr(param_group, _GROUP_ATTR, None)
-    if state is None or group is not state.group:
+    if state is None:
         return None
-    if any(fp.sharded_state != ShardedState.SHARDED for fp in fsdp_params):
+    if group is not state.group or any(
+        fp.sharded_state != ShardedState.SHARDED for fp in fsdp_params
+    ):
+        _say_other_group_once(param_group, state.fqn)
         return None
     if getattr(param_group, "_all_gather_comm", None) is not state.fsdp_comm:
         _warn_custom_all_gather(param_group, state.fqn)
         return None
     return state
+
+
+def _say_other_group_once(param_group, fqn: str) -> None:
+    """An all-gather of a TIDE group on another process group or from another sharded
+    state (the post-forward mesh of ``reshard_after_forward=int``) is FSDP2's, said once."""
+    if not getattr(param_group, "_tide_other_group_logged", False):
+        param_group._tide_other_group_logged = True
+        logger.info(
+            "TIDE %s: all-gathers on another process group than the one TIDE-AG was set up "
+            "on (e.g. the post-forward mesh of reshard_after_forward=int) take FSDP2's path",
+            fqn,
+        )
 
 
 def _warn_custom_all_gather(param_group, fqn: str) -> None:
@@ -155,7 +171,15 @@ def _rs_state_for(fsdp_params, reduce_scatter_group) -> tuple[TideRSState, objec
     ref = _groups_by_param.get(id(fsdp_params[0]))
     param_group = ref() if ref is not None else None
     state: TideRSState | None = getattr(param_group, _RS_ATTR, None)
-    if state is None or reduce_scatter_group is not state.group:
+    if state is None:
+        return None
+    if reduce_scatter_group is not state.group:
+        _say_stock_once(
+            state,
+            "its reduce-scatter process group is no longer the all-gather group TIDE-RS "
+            "was set up on (set_separate_reduce_scatter_group or a new mesh after "
+            "comm.apply)",
+        )
         return None
     members = {id(fp) for fp in param_group.fsdp_params}
     if any(id(fp) not in members for fp in fsdp_params):
@@ -200,6 +224,13 @@ def _rs_stock_reason(
     return reason, rows
 
 
+def _say_stock_once(state: TideRSState, reason: str) -> None:
+    """Log, once per group and reason, that a reduce of a TIDE-RS group takes FSDP2's path."""
+    if reason not in state.stock_reasons:
+        state.stock_reasons.add(reason)
+        logger.warning("TIDE-RS %s: FSDP2 reduce-scatter for this reduce: %s", state.fqn, reason)
+
+
 def _foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, *args, **kwargs):
     found = _rs_state_for(fsdp_params, reduce_scatter_group)
     if found is not None:
@@ -211,6 +242,7 @@ def _foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, *args, *
         a = call.arguments
         reason, rows = _rs_stock_reason(state, param_group, fsdp_params, unsharded_grads, a)
         if reason is None:
+            check_gradient_sets(state, param_group, fsdp_params)
             if state.calls == 0 and (note := rs_numerics_note(
                 unsharded_grads, a["reduce_dtype"], a["orig_dtype"]
             )):  # fmt: skip
@@ -229,11 +261,7 @@ def _foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, *args, *
             if fsdp_internals.REDUCE_RETURNS_STREAM:
                 return tuple(result)
             return (result[0], result[1], *result[3:])
-        if reason not in state.stock_reasons:
-            state.stock_reasons.add(reason)
-            logger.warning(
-                "TIDE-RS %s: FSDP2 reduce-scatter for this reduce: %s", state.fqn, reason
-            )
+        _say_stock_once(state, reason)
     return _originals["foreach_reduce"](
         fsdp_params, unsharded_grads, reduce_scatter_group, *args, **kwargs
     )

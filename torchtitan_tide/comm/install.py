@@ -15,6 +15,7 @@ docs/2026-12-01-cluster-layouts.md.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -30,7 +31,13 @@ from .memory_plan import slot_sizes
 from .options import TideOptions
 from .plan import ParamSpec, WorldLayout, build_group_plan
 from .reduce_scatter import RSBuffers, TideRSState
-from .transport import AllGatherTransport, ReduceScatterTransport, group_global_ranks
+from .setup_steps import SetupSteps
+from .transport import (
+    AllGatherTransport,
+    ReduceScatterTransport,
+    clear_global_ranks,
+    group_global_ranks,
+)
 from .transport.copy_engine import CopyEngineTransport, SymmSlots
 from .transport.p2p import P2PTransport
 
@@ -39,6 +46,7 @@ __all__ = ["TideConfigError", "TideContext", "TideInstallError", "install", "uni
 logger = logging.getLogger(__name__)
 
 _MODEL_ATTR = "_tide_ag_installed"
+_installs = itertools.count()  # names install's set-up keys in the store (setup_steps)
 
 
 @dataclass
@@ -186,7 +194,10 @@ def _settle_transports(cands: list[_Candidate], gathered: dict[int, list[dict]])
         )
 
 
-def _build_plans(cands: list[_Candidate], decisions: list[str]) -> list[_Candidate]:
+def _build_plans(
+    cands: list[_Candidate], decisions: list[str], fqns: dict[int, str]
+) -> list[_Candidate]:
+    """Plan every candidate with a transport (local); ``fqns``: parameter names."""
     taken = []
     for c in cands:
         if c.kind is None:
@@ -194,7 +205,7 @@ def _build_plans(cands: list[_Candidate], decisions: list[str]) -> list[_Candida
             continue
         specs = [
             ParamSpec(
-                fqn=fsdp_internals.param_fqn(fp),
+                fqn=fsdp_internals.param_fqn(fp, fqns),
                 shard_numel=fp._sharded_param_data.numel(),
                 dtype=str(fsdp_internals.ag_dtype(fp, c.pg.mp_policy)),
                 unsupported=fsdp_internals.unsupported_param_reason(fp),
@@ -269,25 +280,42 @@ def _connect_slots(
     options: TideOptions,
     ctx: TideContext,
     decisions: list[str],
+    install_seq: int,
 ) -> tuple[dict, dict]:
-    """Collective: the node-local group of each pending key (over the node's ranks)
-    and the rendezvous of its buffers. A node-local group that cannot be made raises
-    (the agreement after this turns it into one error on every rank)."""
+    """Collective over each node's ranks, each step bounded by ``[tide]
+    install_timeout_s`` (``setup_steps``: a rank that fails tells its node's peers at
+    once): the node-local group of each pending key and the rendezvous of its buffers.
+    A failure raises here on every rank of the node (the agreement after this turns it
+    into one error on every rank of the FSDP groups)."""
+    if not pending:
+        return {}, {}
+    steps = SetupSteps(install_seq, options.install_timeout_s)
     ag_slots: dict = {}
     rs_slots: dict = {}
-    for key, p in pending.items():
-        node_group = topology.make_node_local_group(
-            p.group, p.layout, group_global_ranks(p.group)
-        )
-        if node_group is None:
-            raise RuntimeError(
-                "the copy engine across nodes needs a node-local process group, and "
-                "torch.distributed.new_group could not make one; "
-                "set [tide] ag_transport = 'nccl_p2p'"
-            )
+    for k, (key, p) in enumerate(pending.items()):
+        global_ranks = group_global_ranks(p.group)
+        node = p.layout.node_of(p.group.rank())
+        peers = [global_ranks[r] for r in topology.node_local_group_ranks(p.layout)[node]]
+        scope = f"slots{k}/node{node}"
+        node_group = steps.run(
+            "node-local group", scope, peers,
+            lambda p=p, g=global_ranks: _node_local_group(p, g, options.install_timeout_s),
+        )  # fmt: skip
         if node_group is not p.group:
             ctx.node_groups.append(node_group)
-        ag_slots[key] = SymmSlots.connect(p.ag_buffer, node_group, p.device, options.slot_barrier)
+
+        def connect(buffer, what: str, p=p, group=node_group, scope=scope, peers=peers):
+            def exchange(value: object) -> list:
+                return steps.exchange(f"{what} slot details", scope, peers, value)
+
+            def rendezvous() -> SymmSlots:
+                on_device = torch.cuda.device(p.device) if p.device.type == "cuda" else None
+                with on_device or contextlib.nullcontext():  # the helper thread's device
+                    return SymmSlots.connect(buffer, group, p.device, options.slot_barrier, exchange)
+
+            return steps.run(f"{what} symmetric-memory rendezvous", scope, peers, rendezvous)
+
+        ag_slots[key] = connect(p.ag_buffer, "TIDE-AG")
         ctx.slots.append(ag_slots[key])
         barrier = ag_slots[key].barrier_kind
         decisions.append(
@@ -297,11 +325,22 @@ def _connect_slots(
                f"{'' if options.slot_barrier == 'kernel' else ': copy-engine barrier unavailable'})")
         )  # fmt: skip
         if p.rs_buffer is not None:
-            rs_slots[key] = SymmSlots.connect(
-                p.rs_buffer, node_group, p.device, options.slot_barrier
-            )
+            rs_slots[key] = connect(p.rs_buffer, "TIDE-RS")
             ctx.slots.append(rs_slots[key])
     return ag_slots, rs_slots
+
+
+def _node_local_group(
+    p: _PendingSlots, global_ranks: tuple[int, ...], timeout_s: float
+) -> dist.ProcessGroup:
+    node_group = topology.make_node_local_group(p.group, p.layout, list(global_ranks), timeout_s)
+    if node_group is None:
+        raise RuntimeError(
+            "the copy engine across nodes needs a node-local process group, and "
+            "torch.distributed.new_group could not make one; "
+            "set [tide] ag_transport = 'nccl_p2p'"
+        )
+    return node_group
 
 
 def _mark_groups(
@@ -391,6 +430,7 @@ def install(model: nn.Module, options: TideOptions) -> None:
     TIDE-RS) and install the wrappers. Collective over each FSDP process group of
     the groups TIDE may take (none when it can take none): call on all ranks, in
     the same order. Raises on every rank of a group when any of its ranks fails."""
+    install_seq = next(_installs)
     if getattr(model, _MODEL_ATTR, None) is not None:
         raise ValueError(
             "comm.apply(mode='tide') was already called on this model; call remove first"
@@ -437,14 +477,14 @@ def install(model: nn.Module, options: TideOptions) -> None:
         # Local work that can fail alone (plans, symmetric buffers) before any rendezvous.
         error, taken, pending = None, [], {}
         try:
-            taken = _build_plans(cands, decisions)
+            taken = _build_plans(cands, decisions, fsdp_internals.param_fqns(model))
             pending = _allocate_slots(taken, options)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             error = _error_text(e)
         _agree(groups, "allocation", {"rank": me, "error": error})
         error = None
         try:
-            ag_slots, rs_slots = _connect_slots(pending, options, ctx, decisions)
+            ag_slots, rs_slots = _connect_slots(pending, options, ctx, decisions, install_seq)
             _mark_groups(taken, options, ag_slots, rs_slots, ctx, decisions)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             error = _error_text(e)
@@ -452,6 +492,8 @@ def install(model: nn.Module, options: TideOptions) -> None:
             gathered = _agree(groups, "set-up", {"rank": me, "error": error, "log": decisions})
         except TideInstallError:
             _drop(ctx)
+            if fsdp_patch.installed_refcount() == 0:
+                clear_global_ranks()  # nothing of this install stays cached
             raise
     _log_decisions(decisions, gathered[id(groups[0][0])][0]["log"])
     setattr(model, _MODEL_ATTR, ctx)

@@ -1,16 +1,42 @@
-"""Options of TIDE-AG and TIDE-RS (the ``[tide]`` TOML section maps onto these fields)."""
+"""Options of TIDE-AG and TIDE-RS: the one definition and the one validation.
+
+:class:`TideOptions` is the source: ``comm.apply(model, "tide", **options)`` builds it
+(:meth:`TideOptions.from_kwargs`), ``install`` reads it, and the ``[tide]`` TOML section
+(``torchtitan_tide.config.Tide``) holds the same options under the names of
+:data:`TOML_KEYS`, with its defaults taken from here and its values checked by
+:func:`validate_options` (so the launcher, ``comm.apply`` and ``install`` apply one set of
+rules, and an error names the TOML key as well as the ``comm.apply`` keyword).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
 __all__ = [
-    "REDUCE_SCATTERS", "SLOT_BARRIERS", "TRANSPORTS", "TideOptions",
+    "REDUCE_SCATTERS", "SLOT_BARRIERS", "TOML_KEYS", "TRANSPORTS", "TideOptionError",
+    "TideOptions", "option_label", "toml_key", "validate_options",
 ]  # fmt: skip
 
 TRANSPORTS = ("auto", "copy_engine", "nccl_p2p", "gloo")
 REDUCE_SCATTERS = ("tide", "fsdp2")
 SLOT_BARRIERS = ("copy_engine", "kernel")
+# The [tide] TOML key of a TideOptions field, where the two names differ.
+TOML_KEYS = {"transport": "ag_transport", "pacing": "ag_pacing"}
+
+
+class TideOptionError(ValueError):
+    """A TIDE option has a bad value; the message names the ``[tide]`` key and the fix."""
+
+
+def toml_key(name: str) -> str:
+    """The ``[tide]`` key of the :class:`TideOptions` field ``name``."""
+    return TOML_KEYS.get(name, name)
+
+
+def option_label(name: str) -> str:
+    """How errors name an option: its TOML key, and its ``comm.apply`` keyword if it differs."""
+    key = toml_key(name)
+    return f"[tide] {key}" + (f" (comm.apply option {name})" if key != name else "")
 
 
 @dataclass(frozen=True)
@@ -27,12 +53,13 @@ class TideOptions:
         group's backend; both names select the same code, the name only
         documents the expected backend and is checked against it.
     local_world_size:
-        Ranks per node within the FSDP group. ``None``: found from the nodes
-        of the group's ranks (``topology.resolve_local_world_size``; right for
-        strided sub-groups where ``LOCAL_WORLD_SIZE`` or the device count are
-        not). Set it to test the cross-node path on one machine,
-        e.g. 1 on 2 GPUs (2 "nodes" of 1) or 2 on 4 gloo ranks (2 x 2). Must
-        divide the size of every FSDP group.
+        Ranks per node within the FSDP group. ``None`` (or 0, as the TOML
+        writes it): found from the nodes of the group's ranks
+        (``topology.resolve_local_world_size``; right for strided sub-groups
+        where ``LOCAL_WORLD_SIZE`` or the device count are not). Set it to
+        test the cross-node path on one machine, e.g. 1 on 2 GPUs (2 "nodes"
+        of 1) or 2 on 4 gloo ranks (2 x 2). Must divide the size of every FSDP
+        group (``group_sizes.check_local_world_size``).
     pacing:
         Maximum number of chunks (one contiguous range of one parameter) posted
         per direction in one batch of point-to-point operations. A step of the
@@ -79,42 +106,12 @@ class TideOptions:
     rs_inflight: int = 2
     slot_reuse: bool = True
     slot_barrier: str = "copy_engine"
+    install_timeout_s: int = 120
 
     def __post_init__(self) -> None:
-        if self.transport not in TRANSPORTS:
-            raise ValueError(
-                f"tide option transport={self.transport!r} is not one of {TRANSPORTS}; "
-                "use 'auto' unless you are testing one transport"
-            )
-        if self.local_world_size is not None and (
-            not isinstance(self.local_world_size, int) or self.local_world_size < 1
-        ):
-            raise ValueError(
-                f"tide option local_world_size={self.local_world_size!r} must be a positive "
-                "int that divides the world size, or None to detect it"
-            )
-        if not isinstance(self.pacing, int) or self.pacing < 0:
-            raise ValueError(
-                f"tide option pacing={self.pacing!r} must be an int >= 0 (0 = no limit)"
-            )
-        if self.reduce_scatter not in REDUCE_SCATTERS:
-            raise ValueError(
-                f"tide option reduce_scatter={self.reduce_scatter!r} is not one of "
-                f"{REDUCE_SCATTERS}; 'fsdp2' keeps FSDP2's reduce-scatter"
-            )
-        for name, minimum in (("rs_ctas", 0), ("rs_rows", 1), ("rs_inflight", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"tide option {name}={value!r} must be an int >= {minimum}")
-        if not isinstance(self.slot_reuse, bool):
-            raise ValueError(  # noqa: TRY004 - every bad option is a ValueError here
-                f"tide option slot_reuse={self.slot_reuse!r} must be True or False"
-            )
-        if self.slot_barrier not in SLOT_BARRIERS:
-            raise ValueError(
-                f"tide option slot_barrier={self.slot_barrier!r} is not one of {SLOT_BARRIERS}; "
-                "'kernel' uses torch's symmetric-memory barrier kernel"
-            )
+        if type(self.local_world_size) is int and self.local_world_size == 0:  # TOML: detect
+            object.__setattr__(self, "local_world_size", None)
+        validate_options(self)
 
     @classmethod
     def from_kwargs(cls, **options: object) -> TideOptions:
@@ -124,3 +121,47 @@ class TideOptions:
         if unknown:
             raise ValueError(f"unknown tide option(s) {unknown}; valid options are {sorted(known)}")
         return cls(**options)  # type: ignore[arg-type]
+
+
+def _choice(options: TideOptions, name: str, choices: tuple[str, ...], hint: str) -> None:
+    value = getattr(options, name)
+    if value not in choices:
+        raise TideOptionError(
+            f"{option_label(name)} = {value!r} is not valid; choose one of {list(choices)}{hint}"
+        )
+
+
+def _integer(options: TideOptions, name: str, minimum: int, hint: str = "") -> None:
+    value = getattr(options, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise TideOptionError(
+            f"{option_label(name)} = {value!r} must be an integer >= {minimum}{hint}"
+        )
+
+
+def validate_options(options: TideOptions) -> None:
+    """Check every field of ``options`` (the one validation of the TIDE options: run
+    when a :class:`TideOptions` is made, i.e. by ``comm.apply``, and by the ``[tide]``
+    section's ``Tide``, which the launcher and TorchTitan's config parsing build).
+
+    Raises:
+        TideOptionError: naming the ``[tide]`` key (and ``comm.apply`` keyword), the bad
+            value and what is accepted.
+    """
+    _choice(options, "transport", TRANSPORTS, "; use 'auto' unless you are testing one transport")
+    if options.local_world_size is not None:
+        _integer(options, "local_world_size", 0,
+                 " (0 or None: detect; else ranks per node, dividing every FSDP group)")  # fmt: skip
+    _integer(options, "pacing", 0, " (0 = no limit)")
+    _choice(options, "reduce_scatter", REDUCE_SCATTERS, "; 'fsdp2' keeps FSDP2's reduce-scatter")
+    _integer(options, "rs_ctas", 0)
+    _integer(options, "rs_rows", 1)
+    _integer(options, "rs_inflight", 1)
+    if not isinstance(options.slot_reuse, bool):
+        raise TideOptionError(
+            f"{option_label('slot_reuse')} = {options.slot_reuse!r} is not a boolean; "
+            "write slot_reuse = true or false"
+        )
+    _choice(options, "slot_barrier", SLOT_BARRIERS,
+            "; 'kernel' uses torch's symmetric-memory barrier kernel")  # fmt: skip
+    _integer(options, "install_timeout_s", 1, " (seconds)")

@@ -48,9 +48,11 @@ from .plan import RSRound, WorldLayout, rs_cross_node_peers, rs_schedule, rs_seg
 from .transport import ReduceScatterTransport, global_rank
 
 __all__ = [
+    "GradientSetMismatch",
     "RSBuffers",
     "TideRSState",
     "TideReduceResult",
+    "check_gradient_sets",
     "rows_per_round",
     "rs_numerics_note",
     "rs_unsupported_reason",
@@ -165,6 +167,54 @@ class TideReduceResult(NamedTuple):
     all_reduce_input: torch.Tensor | None
     all_reduce_event: torch.Event | None
     partial_reduce_output: torch.Tensor | None
+
+
+class GradientSetMismatch(RuntimeError):
+    """The ranks of an FSDP group reduce different parameter sets (per-rank branches)."""
+
+
+def check_gradient_sets(state: TideRSState, param_group, fsdp_params: list) -> None:
+    """Every rank of the group reduces the same parameters, or raise naming them.
+
+    FSDP2 reduces only the parameters that have a gradient on this rank (unless
+    ``set_reduce_scatter_unused_params(True)``); ranks that took different branches
+    then reduce different sets, on which stock FSDP2 mixes gradients across
+    parameters and TIDE-RS would fail in its transport. One ``all_gather`` of a byte
+    per parameter over the group: on every reduce of a CPU group (synchronous
+    anyway), and on the first reduce of a CUDA group only (it waits for the device:
+    a rank-dependent branch taken from the first step is caught; a later change is
+    not, as in stock FSDP2). Collective: every rank of the group calls it alike.
+
+    Raises:
+        GradientSetMismatch: naming, per rank, the parameters (FQNs) it has no
+            gradient for, and the FSDP2 setting that makes the sets equal.
+    """
+    members = param_group.fsdp_params
+    device = members[0].sharded_param.device
+    if state.group.size() == 1 or (state.calls > 0 and device.type == "cuda"):
+        return
+    present = {id(fp) for fp in fsdp_params}
+    mine = torch.tensor([id(fp) in present for fp in members], dtype=torch.uint8, device=device)
+    masks = [torch.empty_like(mine) for _ in range(state.group.size())]
+    dist.all_gather(masks, mine, group=state.group)
+    masks = [m.tolist() for m in masks]
+    if all(m == masks[0] for m in masks):
+        return
+    from .fsdp_internals import param_fqn
+
+    missing = {
+        rank: [param_fqn(fp, {}) for fp, has in zip(members, m) if not has]
+        for rank, m in enumerate(masks)
+        if not all(m)
+    }
+    lines = "; ".join(f"group rank {r} has no gradient for {names}" for r, names in missing.items())
+    raise GradientSetMismatch(
+        f"TIDE-RS {state.fqn}: the ranks of this FSDP group reduce different parameters "
+        f"({lines}), as when ranks take different branches of the model. Stock FSDP2 would "
+        "mix gradients across parameters here. Call set_reduce_scatter_unused_params(True) "
+        "on the FSDP module (every rank then reduces every parameter, zeros where unused), "
+        "or make every rank use the same parameters."
+    )
 
 
 def rs_unsupported_reason(

@@ -24,11 +24,13 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import cache
 
 import torch
 import torch.distributed as dist
 
+from .group_sizes import check_local_world_size
 from .options import TideOptions
 from .plan import WorldLayout
 
@@ -92,7 +94,8 @@ def resolve_local_world_size(options: TideOptions, keys: list[str]) -> tuple[int
     """Ranks per node of a group whose rank ``r`` is on node ``keys[r]``; returns
     ``(local_world_size, how it was found)``.
 
-    The option wins (it must divide the group size, else ``ValueError``). Otherwise
+    The option wins (it must divide the group size:
+    :func:`~.group_sizes.check_local_world_size`, a ``ValueError``). Otherwise
     the nodes decide: if every node holds one contiguous, equal-size block of group
     ranks, that block size; if not (e.g. an FSDP group strided across nodes with
     tensor parallelism inside the node), 1: every rank is treated as its own node,
@@ -100,12 +103,7 @@ def resolve_local_world_size(options: TideOptions, keys: list[str]) -> tuple[int
     world = len(keys)
     if options.local_world_size is not None:
         lws = options.local_world_size
-        if world % lws:
-            raise ValueError(
-                f"[tide] local_world_size = {lws} must divide the FSDP group size {world}; "
-                f"set it to a divisor of {world}, or leave it to detection ([tide] "
-                "local_world_size = 0, comm.apply option local_world_size=None)"
-            )
+        check_local_world_size(lws, {"this FSDP group": world})
         return lws, "option local_world_size"
     runs: list[list] = []  # [node key, count] per run of equal consecutive keys
     for key in keys:
@@ -205,7 +203,10 @@ def choose_transport(
 
 
 def make_node_local_group(
-    group: dist.ProcessGroup, layout: WorldLayout, global_ranks: list[int]
+    group: dist.ProcessGroup,
+    layout: WorldLayout,
+    global_ranks: list[int],
+    timeout_s: float | None = None,
 ) -> dist.ProcessGroup | None:
     """The process group of this rank's node within ``group`` (one node: the group
     itself), or None when it cannot be made. Collective over this rank's node only:
@@ -213,13 +214,17 @@ def make_node_local_group(
     which only the members call and which needs no device bound to the default group
     (``dist.split_group`` does, and TorchTitan's ``init_distributed`` binds none).
     Every rank creates its node groups in model order, so overlapping ones (e.g. the
-    dense and the expert FSDP group of one node) are created in the same order."""
+    dense and the expert FSDP group of one node) are created in the same order.
+    ``timeout_s``: the bound of the creation barrier (``[tide] install_timeout_s``; None:
+    the default process-group timeout); the group runs no collective of its own (it
+    names the symmetric-memory rendezvous), so the bound is all it changes."""
     if layout.num_nodes == 1:
         return group
     node = layout.node_of(group.rank())
     members = [global_ranks[r] for r in node_local_group_ranks(layout)[node]]
     try:
-        return dist.new_group(ranks=members, use_local_synchronization=True)
+        timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
+        return dist.new_group(ranks=members, timeout=timeout, use_local_synchronization=True)
     except Exception as e:  # noqa: BLE001 - any failure means "no node-local group"
         logger.warning("TIDE: the node-local group of ranks %s could not be made: %s", members, e)
         return None

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -119,11 +120,14 @@ class SymmSlots:
         group: dist.ProcessGroup,
         device: torch.device,
         barrier: str = "copy_engine",
+        exchange: Callable[[object], list] | None = None,
     ) -> SymmSlots:
         """Collective over ``group``: rendezvous ``buffer`` (from :meth:`allocate`), set
         up the ``barrier`` (``options.SLOT_BARRIERS``). A copy-engine barrier that cannot
         run on some rank (no cuda-bindings, no signal pad) gives the kernel barrier on
-        every rank, logged with the reason."""
+        every rank, logged with the reason. ``exchange(value)``: every group rank's
+        ``value`` in group-rank order (default ``all_gather_object`` over ``group``;
+        ``install`` passes its bounded one, ``setup_steps.SetupSteps.exchange``)."""
         import torch.distributed._symmetric_memory as symm_mem
 
         slot_bytes = buffer.numel() // 2
@@ -141,8 +145,11 @@ class SymmSlots:
         slots.group_name, slots.peer_ranks = group.group_name, watchdog.group_ranks(group)
         reason = _setup_ce_barrier(slots, device) if barrier == "copy_engine" else "option"
         # One collective: every rank's device, and whether its copy-engine barrier works.
-        infos: list[tuple[int, str | None]] = [(0, None)] * world
-        dist.all_gather_object(infos, (device.index, reason), group=group)
+        if exchange is None:
+            infos: list[tuple[int, str | None]] = [(0, None)] * world
+            dist.all_gather_object(infos, (device.index, reason), group=group)
+        else:
+            infos = exchange((device.index, reason))
         slots.peer_devices = [index for index, _ in infos]
         failed = sorted({r for _, r in infos if r is not None})
         if barrier == "copy_engine" and not failed:
