@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TypeVar
 
+import torch
 import torch.distributed as dist
 
 __all__ = ["SetupFailed", "SetupSteps"]
@@ -88,9 +89,14 @@ class SetupSteps:
             Exception: ``fn``'s own, after reporting it to the peers.
         """
         result: dict[str, object] = {}
+        # A new thread starts on CUDA device 0; the step (a symmetric-memory rendezvous,
+        # a process group's creation) must run on this rank's device.
+        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
         def target() -> None:
             try:
+                if device is not None:
+                    torch.cuda.set_device(device)
                 result["value"] = fn()
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
                 result["error"] = e

@@ -1,0 +1,40 @@
+"""SetupSteps.run's helper thread runs the step on the caller's CUDA device.
+
+A new thread starts on CUDA device 0; on every rank but local rank 0 a symmetric-memory
+rendezvous or process-group creation run there would use another rank's GPU. CUDA is
+mocked (the set-up's store is not touched: the step succeeds at once).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from torchtitan_tide.comm.setup_steps import SetupSteps
+
+
+def _steps() -> SetupSteps:
+    steps = object.__new__(SetupSteps)  # no default store needed: the step succeeds
+    steps.store, steps.prefix, steps.rank = None, "tide_install/0", 3
+    steps.timeout_s, steps.poll_s = 5.0, 0.01
+    return steps
+
+
+def test_step_runs_on_the_callers_cuda_device(monkeypatch):
+    current = threading.local()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(current, "device", 0))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: setattr(current, "device", d))
+    current.device = 3  # the caller's (this rank's) device
+
+    seen = _steps().run("rendezvous", "node0", [2, 3], lambda: torch.cuda.current_device())
+    assert seen == 3
+
+
+def test_step_without_cuda_sets_no_device(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    assert _steps().run("new_group", "node0", [0, 1], lambda: "ok") == "ok"
+    assert calls == []
