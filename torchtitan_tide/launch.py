@@ -510,13 +510,16 @@ def check_dump_folder(folder: str, source: str) -> None:
         raise LaunchError(f"{source} {folder!r}: not writable by this user{where}; {fix}")
 
 
-def dump_folder_source(config_path: Path, table: dict, values: dict[str, str]) -> str:
-    """Where the run's ``job.dump_folder`` comes from, as an error message names it."""
+def dump_folder_setting(
+    config_path: Path, table: dict, values: dict[str, str]
+) -> tuple[str | None, str]:
+    """The run's ``job.dump_folder`` and where it comes from, as an error message names it;
+    the folder is None where TorchTitan's default applies."""
     if "job.dump_folder" in values:
-        return "--job.dump_folder"
+        return values["job.dump_folder"], "--job.dump_folder"
     if "dump_folder" in table.get("job", {}):
-        return f"[job] dump_folder in {config_path}"
-    return "job.dump_folder (TorchTitan's default)"
+        return str(table["job"]["dump_folder"]), f"[job] dump_folder in {config_path}"
+    return None, "job.dump_folder (TorchTitan's default)"
 
 
 def summary(
@@ -601,21 +604,24 @@ def main(argv: list[str] | None = None) -> int:
         config_name, dry_run, overrides = split_args(argv)
         config_path = resolve_config(config_name)
         world = detect_world()
-        # torch and TorchTitan from here on (torchtitan_tide.config imports torch).
-        from torchtitan_tide import job_args
-        from torchtitan_tide.config import load_toml
+        from torchtitan_tide.config import load_toml  # imports torch (torchtitan_tide.comm)
 
         table = load_toml(str(config_path))
-        types = job_args.option_types(
-            job_args.custom_config_module(table, override_values(overrides))
-        )
-        overrides = normalize_bool_flags(overrides, job_args.bool_keys(types))
         values = override_values(overrides)
         tide = effective_tide(config_path, table, values)
         check_run_values(table, values, world, tide)
         comm_for_world(tide, world)
+        dump_folder, dump_folder_source = dump_folder_setting(config_path, table, values)
+        if dump_folder is not None:
+            check_dump_folder(dump_folder, dump_folder_source)
+        # The whole job config as the trainer will parse it (imports TorchTitan: ~2 s more).
+        from torchtitan_tide import job_args
+
+        types = job_args.option_types(job_args.custom_config_module(table, values))
+        overrides = normalize_bool_flags(overrides, job_args.bool_keys(types))
         job_config = job_args.check_job_args(config_path, table, overrides, types)
-        check_dump_folder(job_config.job.dump_folder, dump_folder_source(config_path, table, values))
+        if dump_folder is None:
+            check_dump_folder(job_config.job.dump_folder, dump_folder_source)
         env_updates, env_notes = comm_env(tide.comm, os.environ)
         text = summary(config_path, world, overrides, table=table, tide=tide, env_notes=env_notes)
         print(text, flush=True)
