@@ -226,6 +226,13 @@ def test_help_before_the_install_and_into_a_closed_pipe(repo, tmp_path):
         os.close(write_end)
     assert closed.returncode == 0 and closed.stderr == "", closed.stderr
 
+    # Anything but --help needs torch: a named error with the fix, no traceback.
+    run = subprocess.run([str(repo / "run_train.sh"), "--config", "debug_model"],
+                         capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert run.returncode == 2 and run.stderr == (
+        "run_train.sh: error: No module named 'torch'; install first: bash scripts/install.sh "
+        "(README, Quick start)\n"), run.stderr
+
 
 @pytest.mark.parametrize(
     "args, message",

@@ -614,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
         dump_folder, dump_folder_source = dump_folder_setting(config_path, table, values)
         if dump_folder is not None:
             check_dump_folder(dump_folder, dump_folder_source)
-        # The whole job config as the trainer will parse it (imports TorchTitan: ~2 s more).
+        # The whole job config as the trainer will parse it (imports TorchTitan: ~3 s more).
         from torchtitan_tide import job_args
 
         types = job_args.option_types(job_args.custom_config_module(table, values))
@@ -630,6 +630,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"run_train.sh: {note}", file=sys.stderr, flush=True)
     except (LaunchError, ValueError, FileNotFoundError) as exc:
         print(f"run_train.sh: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:  # torch / TorchTitan not installed yet
+        print(f"run_train.sh: error: {exc}; install first: bash scripts/install.sh "
+              "(README, Quick start)", file=sys.stderr)
         return 2
     cmd = torchrun_command(world, config_path, overrides)
     print("[run_train] " + shlex.join(cmd), flush=True)
