@@ -264,6 +264,12 @@ def test_unknown_toml_key_is_named_with_its_file(monkeypatch, capsys, tmp_path):
     assert parsed.tide.comm == "tide" and parsed.training.steps == 3
 
 
+def test_custom_config_module_that_does_not_import(monkeypatch, capsys):
+    err = refused(monkeypatch, capsys, "--job.custom_config_module", "torchtitan_tide.no_such")
+    assert "job.custom_config_module 'torchtitan_tide.no_such' has no JobConfig to import" in err
+    assert 'set [job] custom_config_module = "torchtitan_tide.config"' in err
+
+
 def test_symm_mem_on_a_cpu_world(monkeypatch, capsys):
     err = refused(monkeypatch, capsys, "--tide.comm", "symm_mem")
     assert "--tide.comm symm_mem ([tide] comm) cannot run on this CPU world: comm = 'symm_mem' " \

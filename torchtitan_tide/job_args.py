@@ -44,10 +44,20 @@ def custom_config_module(table: dict[str, Any], values: dict[str, str]) -> str |
 def option_types(custom_module: str | None) -> dict[str, Any]:
     """Every option of the job config TorchTitan builds (its JobConfig, merged with
     ``custom_module``'s), as {"section.key": type hint}; nested sections give
-    "section.sub.key"."""
+    "section.sub.key".
+
+    Raises:
+        JobArgsError: ``custom_module`` cannot be imported or has no ``JobConfig``.
+    """
     classes = [TitanJobConfig]
     if custom_module:
-        classes.append(importlib.import_module(custom_module).JobConfig)
+        try:
+            classes.append(importlib.import_module(custom_module).JobConfig)
+        except (ImportError, AttributeError) as exc:
+            raise JobArgsError(
+                f"job.custom_config_module {custom_module!r} has no JobConfig to import "
+                f"({exc}); set [job] custom_config_module = \"torchtitan_tide.config\""
+            ) from None
     types: dict[str, Any] = {}
     for config_cls in classes:
         types.update(_leaf_types(config_cls, ""))
