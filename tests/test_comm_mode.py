@@ -56,3 +56,21 @@ def test_hardware_reasons():
     assert unavailable_reason("symm_mem", "nccl") is None
     assert unavailable_reason("fsdp2", "gloo") is None
     assert unavailable_reason("tide", "gloo") is None
+
+
+def test_symm_mem_on_gloo_as_the_launcher_predicts(gloo_world_of_one, caplog):
+    """The launcher refuses symm_mem on a CPU world, or says it falls back to fsdp2; the ranks
+    decide alike (launch.comm_for_world and apply_comm_mode share unavailable_reason)."""
+    from torchtitan_tide.launch import LaunchError, World, comm_for_world
+
+    cpu_world = World(nnodes=1, nproc_per_node=1, node_rank=0, device="cpu", master_addr=None,
+                      master_port=29500)
+    with pytest.raises(LaunchError, match="fallback = 'fsdp2'"):
+        comm_for_world(Tide(comm="symm_mem"), cpu_world)
+    with pytest.raises(CommModeError, match="fallback = 'fsdp2'"):
+        apply_comm_mode(sharded_model(gloo_world_of_one), Tide(comm="symm_mem"))
+    fallback = Tide(comm="symm_mem", fallback="fsdp2")
+    assert comm_for_world(fallback, cpu_world) == "fsdp2"
+    with caplog.at_level("WARNING"):
+        assert apply_comm_mode(sharded_model(gloo_world_of_one), fallback) == "fsdp2"
+    assert "falling back to comm = 'fsdp2' as [tide] fallback asks" in caplog.text

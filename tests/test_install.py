@@ -76,3 +76,18 @@ def test_unknown_argument_is_an_error():
     result = subprocess.run(["bash", str(REPO / "scripts" / "install.sh"), "--gpu"],
                             capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 2 and "unknown argument '--gpu'" in result.stderr
+
+
+def test_test_sh_passes_its_arguments_to_pytest(tmp_path):
+    """scripts/test.sh tests/test_launch.py runs that file only; no arguments: all of tests/."""
+    log = tmp_path / "pytest_args"
+    python = tmp_path / "python"  # records pytest's arguments, runs anything else
+    python.write_text(
+        f'#!/bin/sh\nif [ "$1 $2" = "-m pytest" ]; then shift 2; echo "$*" >> {log}; exit 0; fi\n'
+        f'exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(python), "TIDE_INSTALL_DRY_RUN": "1"}
+    for args in (["tests/test_launch.py", "-k", "help"], []):
+        subprocess.run(["bash", str(REPO / "scripts" / "test.sh"), *args], env=env, timeout=60,
+                       check=True, capture_output=True)
+    assert log.read_text().splitlines() == ["-q tests/test_launch.py -k help", "-q tests"]

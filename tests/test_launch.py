@@ -1,4 +1,5 @@
-"""run_train.sh: config lookup, overrides passed through, world from env/SLURM."""
+"""run_train.sh: config lookup, overrides passed through, world from env/SLURM, and every
+bad run refused before any process starts."""
 
 import os
 import shlex
@@ -7,7 +8,8 @@ import sys
 
 import pytest
 
-from torchtitan_tide import launch
+from torchtitan_tide import job_args, launch
+from torchtitan_tide.config import load_toml
 
 
 def run_dry(repo, args, cwd=None, **env):
@@ -63,6 +65,9 @@ def test_config_by_name_and_path_and_overrides(repo, tmp_path):
         (["--config", "debug_model"], {"NGPU": "abc"}, "NGPU='abc' must be an integer"),
         (["--config", "debug_model"], {"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "h"}, "NODE_RANK=2"),
         (["--config", "debug_model"], {"NNODES": "2"}, "MASTER_ADDR"),
+        # Issue 22: passed the dry run, then failed in tyro on every rank after 19 s.
+        (["--config", "debug_model", "--training.bogus_key", "1"], {},
+         "--training.bogus_key is not a TorchTitan 0.2.2 or [tide] option"),
     ],
 )
 def test_bad_input_is_a_named_error(repo, args, env, message):
@@ -96,14 +101,30 @@ def test_override_values_parsing():
                       "metrics.log_freq": "2"}
 
 
-def dry_main(monkeypatch, capsys, *args):
-    """launch.main in this process (no subprocess): (return code, stdout, stderr)."""
+def dry_main(monkeypatch, capsys, *args, dry_run=True):
+    """launch.main in this process (no subprocess): (return code, stdout, stderr). Without
+    ``dry_run`` the launch is real but torchrun is not: starting it fails the test."""
     for key in ("NGPU", "NNODES", "NODE_RANK", "MASTER_ADDR", "SLURM_NNODES", "SLURM_NODEID"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("TIDE_DEVICE", "cpu")
-    code = launch.main(["--config", "debug_model", *args, "--dry-run"])
+
+    def no_start(cmd, **kwargs):
+        raise AssertionError(f"the launcher started {cmd}")
+
+    monkeypatch.setattr(launch.subprocess, "call", no_start)
+    code = launch.main(["--config", "debug_model", *args, *(["--dry-run"] if dry_run else [])])
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def refused(monkeypatch, capsys, *args) -> str:
+    """The launcher's error for ``args``, after checking it refused (rc 2) before starting
+    anything, in a dry run and in a real launch alike."""
+    code, out, err = dry_main(monkeypatch, capsys, *args)
+    assert code == 2, out
+    assert "torchtitan_tide.torchrun" not in out and err.startswith("run_train.sh: error: ")
+    assert dry_main(monkeypatch, capsys, *args, dry_run=False)[2] == err
+    return err
 
 
 @pytest.mark.parametrize(
@@ -131,8 +152,9 @@ def test_bad_run_values_fail_in_the_launcher(monkeypatch, capsys, args, message)
 
 
 def test_booleans_either_way(monkeypatch, capsys):
-    keys = launch.bool_option_keys()
+    keys = job_args.bool_keys(job_args.option_types("torchtitan_tide.config"))
     assert {"tide.slot_reuse", "tide.metrics_jsonl", "checkpoint.enable"} <= keys
+    assert "quantize.linear.float8.emulate" in keys  # nested sections too
     normalize = launch.normalize_bool_flags
     assert normalize(["--tide.slot_reuse", "false", "--training.steps", "3"], keys) == [
         "--tide.no_slot_reuse", "--training.steps", "3"]
@@ -142,6 +164,8 @@ def test_booleans_either_way(monkeypatch, capsys):
         assert normalize(on, keys) == ["--tide.slot_reuse"], on
     assert normalize(["--checkpoint.enable", "--tide.comm", "tide"], keys) == [
         "--checkpoint.enable", "--tide.comm", "tide"]
+    assert normalize(["--quantize.linear.float8.emulate", "false"], keys) == [
+        "--quantize.linear.float8.no_emulate"]
 
     code, out, _ = dry_main(monkeypatch, capsys, "--tide.comm", "tide", "--tide.slot_reuse", "false")
     assert code == 0
@@ -155,7 +179,7 @@ def test_booleans_either_way(monkeypatch, capsys):
     for args, expected in (([ "--tide.no_slot_reuse"], False), (["--tide.slot_reuse"], True)):
         parsed = ConfigManager().parse_args(["--job.config_file", config, *args])
         assert parsed.tide.slot_reuse is expected
-    tide = launch.effective_tide(launch.REPO_CONFIG_DIR / "debug_model.toml", launch.load_toml(config),
+    tide = launch.effective_tide(launch.REPO_CONFIG_DIR / "debug_model.toml", load_toml(config),
                                  {"tide.no_slot_reuse": "true"})
     assert tide.slot_reuse is False
 
@@ -170,3 +194,111 @@ def test_help_and_dry_run_text(monkeypatch, capsys):
     assert out.strip().splitlines()[-1] == "[run_train] dry run: nothing started (drop --dry-run to train)"
     code, out, _ = dry_main(monkeypatch, capsys, "--tide.comm", "tide", "--tide.local_world_size", "1")
     assert "local_world_size 1 (option): 2 node(s) x 1 rank(s)" in out
+
+
+def no_site_python(tmp_path) -> str:
+    """A python that sees the standard library and PYTHONPATH only (``-S``: no
+    site-packages), as before scripts/install.sh: torch and TorchTitan do not import."""
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+    wrapper.chmod(0o755)
+    assert subprocess.run([str(wrapper), "-c", "import torch"], capture_output=True,
+                          check=False).returncode
+    return str(wrapper)
+
+
+def test_help_before_the_install_and_into_a_closed_pipe(repo, tmp_path):
+    env = {**os.environ, "PYTHON": no_site_python(tmp_path)}
+    result = subprocess.run([str(repo / "run_train.sh"), "--help"], capture_output=True,
+                            text=True, env=env, timeout=60, check=False)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert "./run_train.sh --config NAME[.toml] [--dry-run]" in result.stdout
+    assert "TIDE_LOG_ALL" in result.stdout and "TIDE_DEVICE" in result.stdout
+
+    # `--help | head` once head has its lines: the reader is gone before the launcher writes.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        closed = subprocess.run([str(repo / "run_train.sh"), "--help"], stdout=write_end,
+                                stderr=subprocess.PIPE, text=True, env=env, timeout=60,
+                                check=False)
+    finally:
+        os.close(write_end)
+    assert closed.returncode == 0 and closed.stderr == "", closed.stderr
+
+    # Anything but --help needs torch: a named error with the fix, no traceback.
+    run = subprocess.run([str(repo / "run_train.sh"), "--config", "debug_model"],
+                         capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert run.returncode == 2 and run.stderr == (
+        "run_train.sh: error: No module named 'torch'; install first: bash scripts/install.sh "
+        "(README, Quick start)\n"), run.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--training.bogus_key", "1"],
+         "--training.bogus_key is not a TorchTitan 0.2.2 or [tide] option; did you mean "),
+        (["--training.stepz", "3"], "did you mean --training.steps"),
+        (["--training.no-compile"], "--training.no_compile is not a TorchTitan 0.2.2 or [tide] option"),
+        (["--training.dtype", "float16"],
+         ("TorchTitan's parser refuses the job config: invalid choice 'float16' for argument "
+          "'--training.dtype'. Expected one of ('bfloat16', 'float32').")),
+    ],
+)
+def test_job_config_parsed_as_the_trainer_will(monkeypatch, capsys, args, message):
+    err = refused(monkeypatch, capsys, *args)
+    assert message in err and job_args.OPTIONS_HELP in err, err
+
+
+def test_unknown_toml_key_is_named_with_its_file(monkeypatch, capsys, tmp_path):
+    config = tmp_path / "typo.toml"
+    text = (launch.REPO_CONFIG_DIR / "debug_model.toml").read_text()
+    config.write_text(text.replace("[training]\n", "[training]\nwarmup_stepz = 3\n", 1))
+    code, _, err = dry_main(monkeypatch, capsys, "--config", str(config))
+    assert code == 2
+    assert f"[training] warmup_stepz in {config} is not a TorchTitan 0.2.2 or [tide] option" in err
+    # What passes the launcher is what TorchTitan's parser, as the trainer runs it, accepts.
+    parsed = job_args.parse_job_config(launch.trainer_args(
+        launch.REPO_CONFIG_DIR / "debug_model.toml", ["--tide.comm", "tide", "--training.steps", "3"]))
+    assert parsed.tide.comm == "tide" and parsed.training.steps == 3
+
+
+def test_custom_config_module_that_does_not_import(monkeypatch, capsys):
+    err = refused(monkeypatch, capsys, "--job.custom_config_module", "torchtitan_tide.no_such")
+    assert "job.custom_config_module 'torchtitan_tide.no_such' has no JobConfig to import" in err
+    assert 'set [job] custom_config_module = "torchtitan_tide.config"' in err
+
+
+def test_symm_mem_on_a_cpu_world(monkeypatch, capsys):
+    err = refused(monkeypatch, capsys, "--tide.comm", "symm_mem")
+    assert "--tide.comm symm_mem ([tide] comm) cannot run on this CPU world: comm = 'symm_mem' " \
+        "needs CUDA GPUs with the NCCL backend" in err
+    assert "use --tide.comm fsdp2 (or tide, which runs on gloo), or set [tide] fallback = 'fsdp2' " \
+        "(--tide.fallback fsdp2)" in err
+    # With the fallback the launcher starts the run and says what the ranks will do
+    # (tests/test_comm_mode.py: the ranks decide alike).
+    code, out, _ = dry_main(monkeypatch, capsys, "--tide.comm", "symm_mem", "--tide.fallback", "fsdp2")
+    assert code == 0
+    assert "comm        symm_mem (fallback fsdp2); the ranks will fall back to fsdp2: comm = " \
+        "'symm_mem' needs CUDA GPUs with the NCCL backend" in out
+
+
+def test_dump_folder_that_cannot_be_written(monkeypatch, capsys, tmp_path):
+    a_file = tmp_path / "results.txt"
+    a_file.write_text("not a folder")
+    err = refused(monkeypatch, capsys, "--job.dump_folder", str(a_file / "run1"))
+    assert f"--job.dump_folder '{a_file / 'run1'}': {a_file} is a file, not a folder" in err
+    assert "pass --job.dump_folder a folder you can write" in err
+    err = refused(monkeypatch, capsys, "--job.dump_folder", str(a_file))
+    assert f"{a_file} is a file, not a folder" in err
+
+    config = tmp_path / "mine.toml"
+    text = (launch.REPO_CONFIG_DIR / "debug_model.toml").read_text()
+    config.write_text(text.replace('dump_folder = "./outputs/debug_model"', f'dump_folder = "{a_file}/x"'))
+    code, _, err = dry_main(monkeypatch, capsys, "--config", str(config))
+    assert code == 2 and f"[job] dump_folder in {config} '{a_file}/x': {a_file} is a file" in err, err
+
+    monkeypatch.setattr(launch.os, "access", lambda path, mode: False)  # root writes anywhere
+    err = refused(monkeypatch, capsys, "--job.dump_folder", str(tmp_path / "new" / "run"))
+    assert f"not writable by this user ({tmp_path}, where it would be created)" in err

@@ -14,6 +14,7 @@ MASTER_ADDR     rendezvous host for multi-node runs (default: first host of
                 SLURM_JOB_NODELIST via ``scontrol``); MASTER_PORT (default 29500)
 LOG_RANK        local ranks whose output is shown (default 0; "0,1" or "all")
 TIDE_DEVICE     "cpu" forces CPU training even where GPUs exist
+TIDE_LOG_ALL    "1" shows the known-harmless messages the training entry hides
 ==============  ==============================================================
 
 ``comm = "symm_mem"`` also gets ``NCCL_CTA_POLICY=2`` (NCCL's zero-CTA policy, read when a
@@ -21,13 +22,18 @@ communicator is created: the all-gather then runs on copy engines) unless the en
 sets another value, which is kept with a warning (:func:`comm_env`).
 
 ``--dry-run`` prints the summary and the command without running it; ``--help`` prints
-this text. Booleans take any of ``--section.key``, ``--section.key true|false`` (also
-``=false``, ``1/0``, ``yes/no``) and ``--section.no-key``: the launcher rewrites them to the
-flag form TorchTitan's parser accepts (:func:`normalize_bool_flags`). Sizes, steps and the
-layout are checked against the world before any process starts (:func:`check_run_values`).
+this text (standard library only: it works before the install). Booleans take any of
+``--section.key``, ``--section.key true|false`` (also ``=false``, ``1/0``, ``yes/no``) and
+``--section.no-key``: the launcher rewrites them to the flag form TorchTitan's parser accepts
+(:func:`normalize_bool_flags`). Before any process starts, the launcher parses the whole job
+config as the trainer will (TorchTitan's parser plus ``[tide]``: an unknown key fails here,
+``torchtitan_tide/job_args.py``) and checks sizes, steps and the layout against the world
+(:func:`check_run_values`), the comm mode against the device (:func:`comm_for_world`) and
+that the dump folder can be written (:func:`check_dump_folder`).
 """
 
-import dataclasses
+from __future__ import annotations
+
 import os
 import shlex
 import subprocess
@@ -38,9 +44,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from torchtitan_tide.comm.group_sizes import check_local_world_size, fsdp_group_sizes
-from torchtitan_tide.comm.options import TideOptionError
-from torchtitan_tide.config import Tide, check_config_table, load_toml, validate_tide_table
+if typing.TYPE_CHECKING:
+    from torchtitan_tide.config import Tide
+
+# torchtitan_tide.config (and so torch, through torchtitan_tide.comm) is imported by the
+# functions that need it, never at module level: --help must work before the install.
 
 REPO_CONFIG_DIR = Path(__file__).resolve().parents[1] / "train_configs"
 DEFAULT_CPU_PROCESSES = 2
@@ -72,6 +80,11 @@ class World:
     @property
     def size(self) -> int:
         return self.nnodes * self.nproc_per_node
+
+    @property
+    def backend(self) -> str:
+        """The process-group backend TorchTitan will create on this device."""
+        return "nccl" if self.device == "cuda" else "gloo"
 
 
 def resolve_config(name: str, config_dir: Path = REPO_CONFIG_DIR) -> Path:
@@ -153,36 +166,19 @@ def parse_bool(key: str, value: str) -> bool:
         ) from None
 
 
-def bool_option_keys() -> set[str]:
-    """``section.key`` of every boolean option: TorchTitan's JobConfig and ``[tide]``."""
-    from torchtitan.config.job_config import JobConfig as TitanJobConfig
-
-    from torchtitan_tide.config import JobConfig as TideJobConfig
-
-    keys = set()
-    for config_cls in (TitanJobConfig, TideJobConfig):
-        for section in dataclasses.fields(config_cls):
-            section_cls = typing.get_type_hints(config_cls).get(section.name)
-            if not dataclasses.is_dataclass(section_cls):
-                continue
-            hints = typing.get_type_hints(section_cls)
-            keys.update(
-                f"{section.name}.{f.name}"
-                for f in dataclasses.fields(section_cls)
-                if hints.get(f.name) is bool
-            )
-    return keys
-
-
 def tide_bool_keys() -> set[str]:
-    """``tide.key`` of every boolean ``[tide]`` option (no TorchTitan import needed)."""
+    """``tide.key`` of every boolean ``[tide]`` option (no TorchTitan import needed; every
+    boolean of the job config: :func:`torchtitan_tide.job_args.bool_keys`)."""
+    from torchtitan_tide.config import Tide
+
     return {f"tide.{f.name}" for f in fields(Tide) if f.type in (bool, "bool")}
 
 
 def normalize_bool_flags(args: list[str], bool_keys: set[str]) -> list[str]:
     """Rewrite boolean options in ``args`` to the flag form TorchTitan's tyro parser takes:
     ``--s.key``, ``--s.key true``, ``--s.key=1`` -> ``--s.key``; ``--s.key false``,
-    ``--s.key=no``, ``--s.no-key`` -> ``--s.no_key``. Other arguments pass unchanged.
+    ``--s.key=no``, ``--s.no-key`` -> ``--s.no_key`` (nested keys alike:
+    ``--a.b.no_key``). Other arguments pass unchanged.
 
     Raises:
         LaunchError: a boolean option followed by a value that is not a boolean.
@@ -193,7 +189,7 @@ def normalize_bool_flags(args: list[str], bool_keys: set[str]) -> list[str]:
         arg = args[i]
         raw_key, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
         key = raw_key.replace("-", "_")
-        section, _, name = key.partition(".")
+        section, _, name = key.rpartition(".")
         negated = name.startswith("no_") and f"{section}.{name[3:]}" in bool_keys
         if key not in bool_keys and not negated:
             out.append(arg)
@@ -211,6 +207,8 @@ def normalize_bool_flags(args: list[str], bool_keys: set[str]) -> list[str]:
 
 def effective_tide(config_path: Path, config: dict, overrides: dict[str, str]) -> Tide:
     """The ``[tide]`` options of the parsed TOML ``config`` after CLI overrides, validated."""
+    from torchtitan_tide.config import Tide, check_config_table, validate_tide_table
+
     check_config_table(config, str(config_path))
     table = dict(config.get("tide", {}))
     types = {f.name: f.type for f in fields(Tide)}
@@ -267,7 +265,7 @@ def _as_number(key: str, raw, kind: type):
         raise LaunchError(f"--{key} {raw!r} must be {word}") from None
 
 
-def check_run_values(table: dict, values: dict[str, str], world: "World", tide: Tide) -> None:
+def check_run_values(table: dict, values: dict[str, str], world: World, tide: Tide) -> None:
     """Sizes, steps and the parallel layout of the run (TOML ``table`` after the override
     ``values``) checked against ``world`` before any process starts.
 
@@ -311,6 +309,9 @@ def check_run_values(table: dict, values: dict[str, str], world: "World", tide: 
                 f"local_batch_size x data-parallel degree = {per_step} (or -1: no accumulation)"
             )
     if tide.comm == "tide":
+        from torchtitan_tide.comm.group_sizes import check_local_world_size, fsdp_group_sizes
+        from torchtitan_tide.comm.options import TideOptionError
+
         expert = {
             key: _as_number(f"parallelism.{name}", _setting(table, values, f"parallelism.{name}") or 1, int)
             for key, name in (("ep", "expert_parallel_degree"), ("etp", "expert_tensor_parallel_degree"))
@@ -402,7 +403,12 @@ def torchrun_command(world: World, config_path: Path, overrides: list[str]) -> l
     if log_rank != "all":
         cmd += [f"--local-ranks-filter={log_rank}"]
     cmd += ["--role=rank", "--tee=3", "-m", "torchtitan_tide.train"]
-    return cmd + ["--job.config_file", str(config_path), *overrides]
+    return cmd + trainer_args(config_path, overrides)
+
+
+def trainer_args(config_path: Path, overrides: list[str]) -> list[str]:
+    """The arguments ``torchtitan_tide.train`` gets (after torchrun's own)."""
+    return ["--job.config_file", str(config_path), *overrides]
 
 
 def parallel_degrees(par: dict, values: dict[str, str], world_size: int) -> dict[str, int]:
@@ -455,6 +461,72 @@ def comm_env(comm: str, environ: Mapping[str, str]) -> tuple[dict[str, str], lis
     return updates, notes
 
 
+def unavailable_reason(mode: str, backend: str) -> str | None:
+    """Why comm ``mode`` cannot run on a process group with ``backend``; None when it can.
+    The launcher asks it of the world it starts (:func:`comm_for_world`), each rank of its
+    process group (``train_specs.apply_comm_mode``)."""
+    if mode == "symm_mem" and "nccl" not in backend:
+        return (
+            f"comm = 'symm_mem' needs CUDA GPUs with the NCCL backend (symmetric memory), "
+            f"but the process group backend is {backend!r}"
+        )
+    return None
+
+
+def comm_for_world(tide: Tide, world: World) -> str:
+    """The comm mode the ranks will run on ``world``: ``tide.comm``, or "fsdp2" where that
+    cannot run there and ``[tide] fallback = "fsdp2"`` (the ranks then log the fallback).
+
+    Raises:
+        LaunchError: ``tide.comm`` cannot run on ``world`` and ``fallback`` is "none".
+    """
+    reason = unavailable_reason(tide.comm, world.backend)
+    if reason is None:
+        return tide.comm
+    if tide.fallback != "fsdp2":
+        raise LaunchError(
+            f"--tide.comm {tide.comm} ([tide] comm) cannot run on this {world.device.upper()} "
+            f"world: {reason}; use --tide.comm fsdp2 (or tide, which runs on gloo), or set "
+            "[tide] fallback = 'fsdp2' (--tide.fallback fsdp2) to run stock FSDP2 instead"
+        )
+    return "fsdp2"
+
+
+def check_dump_folder(folder: str, source: str) -> None:
+    """``folder`` (the run's ``job.dump_folder``, relative to the working directory as the
+    trainer reads it) is a writable folder, or can be created as one. ``source`` says where
+    the value came from ("--job.dump_folder", "[job] dump_folder in X.toml").
+
+    Raises:
+        LaunchError: naming ``source``, the path in the way and the fix.
+    """
+    path = Path(folder).absolute()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    fix = "pass --job.dump_folder a folder you can write (e.g. --job.dump_folder ./outputs/NAME)"
+    if not existing.is_dir():
+        raise LaunchError(
+            f"{source} {folder!r}: {existing} is a file, not a folder, so the dump folder "
+            f"cannot be created; {fix}"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == path else f" ({existing}, where it would be created)"
+        raise LaunchError(f"{source} {folder!r}: not writable by this user{where}; {fix}")
+
+
+def dump_folder_setting(
+    config_path: Path, table: dict, values: dict[str, str]
+) -> tuple[str | None, str]:
+    """The run's ``job.dump_folder`` and where it comes from, as an error message names it;
+    the folder is None where TorchTitan's default applies."""
+    if "job.dump_folder" in values:
+        return values["job.dump_folder"], "--job.dump_folder"
+    if "dump_folder" in table.get("job", {}):
+        return str(table["job"]["dump_folder"]), f"[job] dump_folder in {config_path}"
+    return None, "job.dump_folder (TorchTitan's default)"
+
+
 def summary(
     config_path: Path,
     world: World,
@@ -466,6 +538,8 @@ def summary(
 ) -> str:
     """The run as the launcher prints it. ``table`` (the parsed TOML), ``tide`` and
     ``env_notes`` (from :func:`comm_env`) are derived when not given."""
+    from torchtitan_tide.config import load_toml
+
     values = override_values(overrides)
     table = load_toml(str(config_path)) if table is None else table
     model = table.get("model", {})
@@ -477,8 +551,9 @@ def summary(
     def pick(section: dict, section_name: str, key: str, default):
         return values.get(f"{section_name}.{key}", section.get(key, default))
 
-    backend = "nccl" if world.device == "cuda" else "gloo"
+    backend = world.backend
     unit = "GPUs" if world.device == "cuda" else "CPU processes"
+    unavailable = unavailable_reason(tide.comm, backend)
     lines = [
         f"config      {config_path}",
         (
@@ -490,7 +565,8 @@ def summary(
         + (f", rendezvous {world.master_addr}:{world.master_port}" if world.nnodes > 1 else ""),
         "parallelism " + parallelism_line(par, values, world.size),
         f"comm        {tide.comm} (fallback {tide.fallback})"
-        + (f", options {tide.comm_options()}" if tide.comm == "tide" else ""),
+        + (f", options {tide.comm_options()}" if tide.comm == "tide" else "")
+        + (f"; the ranks will fall back to fsdp2: {unavailable}" if unavailable else ""),
         *([tide_layout_line(tide, world)] if tide.comm == "tide" else []),
         *(f"comm env    {note}" for note in env_notes),
     ]
@@ -508,20 +584,49 @@ def tide_layout_line(tide: Tide, world: World) -> str:
             f"{world.nproc_per_node} rank(s))")
 
 
+def print_help() -> int:
+    """Print the module docstring (standard library only: it works before the install). A
+    reader that closes the pipe early (``--help | head``) ends it quietly."""
+    try:
+        sys.stdout.write(__doc__.strip() + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _discard_stdout()
+    return 0
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null: Python's flush at exit then cannot raise BrokenPipeError
+    again (the recipe of Python's ``signal`` documentation)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(arg in ("-h", "--help") for arg in argv):
-        print(__doc__.strip())
-        return 0
+        return print_help()
     try:
         config_name, dry_run, overrides = split_args(argv)
-        overrides = normalize_bool_flags(overrides, bool_option_keys())
         config_path = resolve_config(config_name)
         world = detect_world()
+        from torchtitan_tide.config import load_toml  # imports torch (torchtitan_tide.comm)
+
         table = load_toml(str(config_path))
         values = override_values(overrides)
         tide = effective_tide(config_path, table, values)
         check_run_values(table, values, world, tide)
+        comm_for_world(tide, world)
+        dump_folder, dump_folder_source = dump_folder_setting(config_path, table, values)
+        if dump_folder is not None:
+            check_dump_folder(dump_folder, dump_folder_source)
+        # The whole job config as the trainer will parse it (imports TorchTitan: ~3 s more).
+        from torchtitan_tide import job_args
+
+        types = job_args.option_types(job_args.custom_config_module(table, values))
+        overrides = normalize_bool_flags(overrides, job_args.bool_keys(types))
+        job_config = job_args.check_job_args(config_path, table, overrides, types)
+        if dump_folder is None:
+            check_dump_folder(job_config.job.dump_folder, dump_folder_source)
         env_updates, env_notes = comm_env(tide.comm, os.environ)
         text = summary(config_path, world, overrides, table=table, tide=tide, env_notes=env_notes)
         print(text, flush=True)
@@ -530,6 +635,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"run_train.sh: {note}", file=sys.stderr, flush=True)
     except (LaunchError, ValueError, FileNotFoundError) as exc:
         print(f"run_train.sh: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:  # torch / TorchTitan not installed yet
+        print(f"run_train.sh: error: {exc}; install first: bash scripts/install.sh "
+              "(README, Quick start)", file=sys.stderr)
         return 2
     cmd = torchrun_command(world, config_path, overrides)
     print("[run_train] " + shlex.join(cmd), flush=True)
@@ -551,15 +660,16 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     rc = subprocess.call(cmd, env=env)
     if rc != 0:
-        dump_folder = values.get("job.dump_folder") or table.get("job", {}).get(
-            "dump_folder", "./outputs"
-        )
-        from torchtitan_tide.comm.watchdog import failure_summary  # torch only when needed
+        from torchtitan_tide.comm.watchdog import failure_summary
 
-        if cause := failure_summary(str(dump_folder), since=started):
+        if cause := failure_summary(job_config.job.dump_folder, since=started):
             print(f"run_train.sh: cause: {cause}", file=sys.stderr, flush=True)
     return rc
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # e.g. `--dry-run | head`: the reader is gone, nothing to report
+        _discard_stdout()
+        sys.exit(1)

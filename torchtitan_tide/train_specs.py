@@ -28,6 +28,7 @@ from torchtitan_tide.comm.options import TideOptionError
 from torchtitan_tide.comm.symm_mem import SymmMemUnavailable
 from torchtitan_tide.config import Tide, TideConfigError
 from torchtitan_tide.data import register_dataset, resolve_asset_path
+from torchtitan_tide.launch import unavailable_reason  # the launcher decides alike, earlier
 from torchtitan_tide.metrics import build_metrics_processor_with_jsonl
 
 ParallelizeFn = Callable[[nn.Module, ParallelDims, JobConfig], nn.Module]
@@ -39,16 +40,6 @@ class CommModeError(RuntimeError):
 
 def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-def unavailable_reason(mode: str, backend: str) -> str | None:
-    """Why ``mode`` cannot run on a process group with ``backend``; None when it can."""
-    if mode == "symm_mem" and "nccl" not in backend:
-        return (
-            f"comm = 'symm_mem' needs CUDA GPUs with the NCCL backend (symmetric memory), "
-            f"but the process group backend is {backend!r}"
-        )
-    return None
 
 
 def apply_comm_mode(model: nn.Module, tide: Tide) -> str:

@@ -10,14 +10,17 @@ Without files: the newest result of every (kind, name) under ``--results-dir``, 
 written before that key existed are recognized by name (``ag``, ``step_*``).
 
 Writes ``<out-dir>/<date>_<machine>_<commit>_report.md`` (default out-dir: the results
-dir) with the date, machine and commit of the newest measured result: metadata, one
+dir) with the date, machine and commit of the newest step result, whose figures the
+headline image shows (of the newest measured result where there is none,
+:func:`naming_result`); file name, header and image title name that one machine. Inside:
+metadata, one
 headline table of every result's headline figures by comm mode with ratios to
 ``fsdp2``, each result's own tables with its PNG embedded, projections (JSONs of kind
 ``projection`` or ``simulation``, shown generically and labeled as model estimates, not measurements),
 and the list of sources. Also ``<stem>_report.png``, the headline figure: training step
-time per comm mode, one panel per step result, with the speed-up vs ``fsdp2`` on each bar
-and the compute floor of the config as a dashed line where one is known
-(:func:`step_floor`).
+time per comm mode, one panel per step result naming its commit and date, every bar
+labelled with its ms and its speed-up vs ``fsdp2`` (``1.000x`` on fsdp2's own), and the
+compute floor of the config as a dashed line where one is known (:func:`step_floor`).
 """
 
 from __future__ import annotations
@@ -277,13 +280,19 @@ def floor_label_source(source: str) -> str:
     return source
 
 
-def step_panels(results: Sequence[Result]) -> list[dict[str, Any]]:
-    """One panel of the headline figure per step result: ``{"title", "modes", "ms",
-    "floor"}``, step ms per mode from its headline (best round), ``fsdp2`` first."""
+def naming_result(measured: Sequence[Result]) -> Result:
+    """The result whose metadata names the report (file name, header, image title): the
+    newest step result, whose figures the headline image shows, else the newest result."""
+    steps = [r for r in measured if r.kind == "step"]
+    return max(steps or measured, key=lambda r: r.date)
+
+
+def step_panels(results: Sequence[Result], machine: str | None = None) -> list[dict[str, Any]]:
+    """One panel of the headline figure per step result: ``{"title", "source", "modes",
+    "ms", "floor"}``, step ms per mode from its headline (best round), ``fsdp2`` first;
+    ``source`` names the result's commit and date (and its machine where it is not
+    ``machine``, the report's)."""
     steps = [r for r in results if r.kind == "step"]
-    counts: dict[str, int] = {}
-    for r in steps:
-        counts[step_config(r)] = counts.get(step_config(r), 0) + 1
     panels = []
     for r in sorted(steps, key=lambda r: (step_config(r), r.date)):
         row = next((h for h in headline_rows(r) if h["metric"] == STEP_METRIC), None)
@@ -292,10 +301,11 @@ def step_panels(results: Sequence[Result]) -> list[dict[str, Any]]:
         values = {m: v for m, v in row["values"].items() if v is not None}
         modes = [m for m in mode_columns([row]) if m in values]
         config = step_config(r)
-        title = CONFIG_TITLES.get(config, config)
-        if counts[config] > 1:
-            title += f" @{r.meta.get('commit')}"
-        panels.append({"title": title, "modes": modes, "ms": [values[m] for m in modes],
+        source = f"@{r.meta.get('commit', '-')}, {r.date[:10] or 'undated'}"
+        if machine is not None and r.meta.get("machine") != machine:
+            source += f", {r.meta.get('machine', '-')}"
+        panels.append({"title": CONFIG_TITLES.get(config, config), "source": source,
+                       "modes": modes, "ms": [values[m] for m in modes],
                        "floor": step_floor(r)})  # fmt: skip
     return panels
 
@@ -305,9 +315,9 @@ MODE_COLORS = {"fsdp2": "#7f7f7f", "symm_mem": "#1f77b4", "tide": "#d62728"}
 
 def write_step_figure(path: Path, panels: Sequence[Mapping[str, Any]], title: str) -> bool:
     """The headline PNG: a panel per step result (own y axis: step times differ 20x between
-    configs), a bar per mode labelled with its ms and, except fsdp2, ``speed-up x`` vs
-    fsdp2; the compute floor as a dashed line (a band for a range). False without
-    matplotlib."""
+    configs) titled with its config, commit and date, a bar per mode labelled with its ms
+    and its speed-up vs fsdp2 (1.000x on fsdp2's), mode names level under the bars; the
+    compute floor as a dashed line (a band for a range). False without matplotlib."""
     try:
         import matplotlib
 
@@ -328,7 +338,7 @@ def write_step_figure(path: Path, panels: Sequence[Mapping[str, Any]], title: st
         for bar, mode, value in zip(bars, modes, ms):
             x = bar.get_x() + bar.get_width() / 2
             ax.text(x, value + top * 0.01, f"{value:.0f} ms", ha="center", va="bottom", fontsize=8)
-            if base and mode != "fsdp2":
+            if base:
                 ax.text(x, value * 0.5, f"{base / value:.3f}x", ha="center", va="center",
                         fontsize=10, fontweight="bold", color="white", rotation=90)  # fmt: skip
         if floor := panel.get("floor"):
@@ -344,10 +354,9 @@ def write_step_figure(path: Path, panels: Sequence[Mapping[str, Any]], title: st
             ax.text(-0.45, top * 0.995, "compute floor not measured", ha="left", va="top",
                     fontsize=7, color="#222222")  # fmt: skip
         ax.set_xticks(range(len(modes)))
-        ax.set_xticklabels([m.replace("+", "\n+") for m in modes], fontsize=8, rotation=20,
-                           ha="right", rotation_mode="anchor")  # fmt: skip
+        ax.set_xticklabels([m.replace("+", "\n+") for m in modes], fontsize=8)
         ax.set_ylim(0, top)
-        ax.set_title(panel["title"], fontsize=9)
+        ax.set_title(f"{panel['title']}\n{panel['source']}", fontsize=9)
         ax.spines[["top", "right"]].set_visible(False)
     axes[0][0].set_ylabel("step time, ms (lower is better)")
     fig.suptitle(title, fontsize=10)
@@ -380,7 +389,8 @@ def render(results: Sequence[Result], out_dir: Path, report_png: Path | None) ->
     order = {k: i for i, k in enumerate(KIND_ORDER)}
     measured.sort(key=lambda r: (order.get(r.kind, len(order)), r.name))
     newest = max(measured or results, key=lambda r: r.date)
-    meta = newest.meta
+    named = naming_result(measured or results)
+    meta = named.meta
     lines = [
         f"# Benchmark report: {meta.get('machine', '-')}, commit {meta.get('commit', '-')}",
         "",
@@ -392,7 +402,9 @@ def render(results: Sequence[Result], out_dir: Path, report_png: Path | None) ->
         f"| NCCL | {meta.get('nccl', '-')} |",
         f"| CUDA | {meta.get('cuda', '-')} |",
         f"| commit | {meta.get('commit', '-')} |",
-        f"| newest result | {meta.get('date', '-')} |",
+        *([f"| step results (headline) | {meta.get('date', '-')} |"]
+          if named is not newest else []),
+        f"| newest result | {newest.date or '-'} |",
         f"| report written | {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')} |",
         "",
     ]
@@ -491,15 +503,15 @@ def write_report(results: Sequence[Result], out_dir: Path) -> Path:
     if not results:
         raise ValueError("no benchmark results to report")
     measured = [r for r in results if r.kind not in MODEL_KINDS] or list(results)
-    newest = max(measured, key=lambda r: r.date)
-    meta = {"date": newest.date or "unknown", "machine": newest.meta.get("machine", "unknown"),
-            "commit": newest.meta.get("commit", "unknown")}  # fmt: skip
+    named = naming_result(measured)
+    machine = str(named.meta.get("machine", "unknown"))
+    meta = {"date": named.date or "unknown", "machine": machine,
+            "commit": named.meta.get("commit", "unknown")}  # fmt: skip
     stem = common.result_stem(out_dir, "report", meta)
     png = Path(str(stem) + ".png")
-    panels = step_panels(measured)
-    step_machines = sorted({str(r.meta.get("machine")) for r in measured if r.kind == "step"})
+    panels = step_panels(measured, machine)
     wrote_png = bool(panels) and write_step_figure(
-        png, panels, f"Training step time per comm mode, {' / '.join(step_machines)} "
+        png, panels, f"Training step time per comm mode, {machine} "
         "(lower is better; speed-up vs fsdp2 on the bars; compute floor on one GPU)"
     )
     text = render(results, out_dir, png if wrote_png else None)

@@ -373,10 +373,12 @@ def run_dry(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_launcher_dry_run_prints_the_cta_policy():
-    result = run_dry(["--config", "debug_model", "--tide.comm", "symm_mem"])
+    # A CPU world runs symm_mem only as its fallback (without one the launcher refuses it:
+    # tests/test_launch.py); the train entry sets the policy alike.
+    result = run_dry(["--config", "debug_model", "--tide.comm", "symm_mem", "--tide.fallback", "fsdp2"])
     assert result.returncode == 0, result.stderr
     assert "comm env    NCCL_CTA_POLICY=2 (set for comm = 'symm_mem'" in result.stdout
-    kept = run_dry(["--config", "llama70b_symm_mem"], NCCL_CTA_POLICY="1")
+    kept = run_dry(["--config", "llama70b_symm_mem", "--tide.fallback", "fsdp2"], NCCL_CTA_POLICY="1")
     assert kept.returncode == 0, kept.stderr
     assert "WARNING: NCCL_CTA_POLICY=1 from the environment is kept" in kept.stdout
     assert "NCCL_CTA_POLICY=1 from the environment is kept" in kept.stderr
@@ -392,8 +394,9 @@ def test_launcher_passes_the_cta_policy_to_torchrun(monkeypatch, capsys):
         return 0
 
     monkeypatch.setattr(launch.subprocess, "call", call)
-    monkeypatch.setenv("TIDE_DEVICE", "cpu")
-    monkeypatch.delenv("NCCL_CTA_POLICY", raising=False)
+    monkeypatch.setattr(launch, "_cuda_device_count", lambda: 2)  # a GPU world (NCCL)
+    for key in ("TIDE_DEVICE", "NCCL_CTA_POLICY", "NGPU", "NNODES", "SLURM_NNODES"):
+        monkeypatch.delenv(key, raising=False)
     assert launch.main(["--config", "debug_model", "--tide.comm=symm_mem"]) == 0
     assert seen["NCCL_CTA_POLICY"] == "2" and seen["NCCL_NVLS_ENABLE"] == "0"
     seen.clear()

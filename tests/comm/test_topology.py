@@ -95,6 +95,8 @@ def test_auto_transport_without_point_to_point_takes_fsdp2():
     no_access = (False, "not CUDA")
     kind, why = choose_transport(TideOptions(), WorldLayout(2, 2), cpu, "threaded", no_access)
     assert kind is None and "no point-to-point" in why
+    assert why.startswith("auto: 1 node x 2: ")  # issue 22: not "1 nodes"
+    assert WorldLayout(16, 8).shape == "2 nodes x 8"
     kind, why = choose_transport(TideOptions(), WorldLayout(2, 1), cpu, "gloo", no_access)
     assert kind == "p2p"
     # One node whose GPUs reach each other: the copy engine needs no p2p backend.

@@ -175,7 +175,7 @@ def _decide(
         backend = str(dist.get_backend(c.group))
         c.kind, c.why = topology.choose_transport(options, layout, c.device, backend, access)
         c.layout = layout
-        c.why += f"; {layout.num_nodes} nodes x {lws} ({lws_source})"
+        c.why += f"; {layout.shape} ({lws_source})"
 
 
 def _settle_transports(cands: list[_Candidate], gathered: dict[int, list[dict]]) -> None:

@@ -84,6 +84,11 @@ class WorldLayout:
     def num_nodes(self) -> int:
         return self.world_size // self.local_world_size
 
+    @property
+    def shape(self) -> str:
+        """The layout as logs print it: "1 node x 2", "2 nodes x 8"."""
+        return f"{self.num_nodes} node{'s' if self.num_nodes != 1 else ''} x {self.local_world_size}"
+
     def node_of(self, rank: int) -> int:
         return rank // self.local_world_size
 

@@ -398,9 +398,9 @@ def tide_reduce(
     if state.calls == 0:
         logger.info(
             "TIDE-RS %s: first reduce, %d params, %d elements per shard, %s gradients, "
-            "%d nodes x %d, accumulate: %s",
+            "%s, accumulate: %s",
             state.fqn, len(grads), shard_numel, grads[0].dtype if grads else None,
-            num_nodes, layout.local_world_size, kernels.triton_status() if cuda else "torch",
+            layout.shape, kernels.triton_status() if cuda else "torch",
         )  # fmt: skip
     state.calls += 1
 

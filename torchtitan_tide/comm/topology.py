@@ -185,7 +185,7 @@ def choose_transport(
                 f"(device={device.type}, backend={backend}); use 'auto'"
             )
         return "p2p", f"forced by option transport={forced!r}"
-    shape = f"{layout.num_nodes} nodes x {layout.local_world_size}"
+    shape = layout.shape
     no_p2p = f"backend {backend!r} has no point-to-point"
     if layout.local_world_size > 1 and peer_access[0]:
         if layout.num_nodes == 1:
