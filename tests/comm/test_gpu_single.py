@@ -61,3 +61,33 @@ def _barrier_driver_calls(rank: int, world_size: int) -> None:
 def test_gpu_barrier_driver_calls_one_gpu():
     pytest.importorskip("cuda.bindings.driver")
     spawn(_barrier_driver_calls, 1, device_type="cuda")
+
+
+def _bounded_setup_one_gpu(rank: int, world_size: int) -> None:
+    from torchtitan_tide.comm.setup_steps import SetupSteps
+    from torchtitan_tide.comm.transport.copy_engine import SymmSlots
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    steps = SetupSteps(install=0, timeout_s=60.0)
+    buffer = SymmSlots.allocate(1 << 20, device)
+
+    def exchange(value: object) -> list:
+        return steps.exchange("slot details", "node0", [0], value)
+
+    def rendezvous() -> SymmSlots:
+        assert torch.cuda.current_device() == 0  # the helper thread runs on the rank's device
+        return SymmSlots.connect(buffer, dist.group.WORLD, device, "copy_engine", exchange)
+
+    slots = steps.run("symmetric-memory rendezvous", "node0", [0], rendezvous)
+    view = slots.peer_flags[0]
+    assert view.device == device
+    slots.barrier()  # usable from the main thread after the helper thread's rendezvous
+    torch.cuda.synchronize()
+
+
+def test_gpu_bounded_setup_rendezvous_in_helper_thread_one_gpu():
+    """install's set-up runs the symmetric-memory rendezvous in a helper thread while the
+    caller watches the store (setup_steps): it must work on the GPU's torch, with a
+    cloned store client, and leave slots the main thread can use."""
+    spawn(_bounded_setup_one_gpu, 1, device_type="cuda")
