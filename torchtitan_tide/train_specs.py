@@ -86,19 +86,23 @@ def apply_comm_mode(model: nn.Module, tide: Tide) -> str:
             module.set_force_sum_reduction_for_comms(True)
 
     if mode != "fsdp2":
+        failure: Exception | None = None
         try:
             comm.apply(model, mode=mode, **tide.comm_options())
         except (SymmMemUnavailable, TideInstallError) as exc:
-            # Raised alike on every rank of the FSDP groups (install agrees on failures
-            # and frees what it set up: the model is stock FSDP2 again).
+            # Raised alike on every rank of this rank's FSDP groups (install agrees on
+            # failures and frees what it set up: the model is stock FSDP2 again).
+            failure = exc
+        failure = _job_wide_failure(model, mode, failure)
+        if failure is not None:
             if tide.fallback != "fsdp2":
                 raise CommModeError(
-                    f"{exc}\nSet [tide] fallback = 'fsdp2' to train with stock FSDP2 "
+                    f"{failure}\nSet [tide] fallback = 'fsdp2' to train with stock FSDP2 "
                     "instead when comm cannot be set up."
-                ) from exc
+                ) from failure
             logger.warning(
-                f"[rank {rank}] comm = {mode!r} could not be set up ({type(exc).__name__}: "
-                f"{exc}); falling back to comm = 'fsdp2' as [tide] fallback asks"
+                f"[rank {rank}] comm = {mode!r} could not be set up ({type(failure).__name__}: "
+                f"{failure}); falling back to comm = 'fsdp2' as [tide] fallback asks"
             )
             mode = "fsdp2"
     logger.info(
@@ -106,6 +110,34 @@ def apply_comm_mode(model: nn.Module, tide: Tide) -> str:
         f"(backend {backend}, {nccl_version_string()})"
     )
     return mode
+
+
+def _job_wide_failure(
+    model: nn.Module, mode: str, failure: Exception | None
+) -> Exception | None:
+    """The set-up outcome of the whole job: ``failure`` (this rank's) or a peer's.
+
+    Install agrees within this rank's FSDP groups only; ranks in other groups (HSDP
+    replicas, pipeline stages) would go on with ``mode`` beside ranks that took FSDP2's
+    path, or block in their first collective. One ``all_gather_object`` over the default
+    group (every rank runs one per model part, in the same order) makes the outcome the
+    same everywhere: a rank whose own set-up succeeded removes it again when any rank
+    failed, and returns that rank's error."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return failure
+    mine = None if failure is None else (type(failure).__name__, str(failure))
+    outcomes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, mine)
+    failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
+    if not failed or failure is not None:
+        return failure
+    comm.remove(model)  # this rank's set-up succeeded; the job takes FSDP2's path together
+    ranks = [r for r, _ in failed]
+    kind, message = failed[0][1]
+    return TideInstallError(
+        f"comm = {mode!r} could not be set up on rank(s) {ranks} (in FSDP groups other than "
+        f"this rank's); first: {kind}: {message}"
+    )
 
 
 def nccl_version_string() -> str:

@@ -270,3 +270,47 @@ def _cases(rank: int, world: int) -> None:
 
 def test_install_failures_cpu():
     spawn(_cases, 2)
+
+
+def _other_group_failure_case(rank: int, world: int) -> None:
+    """HSDP 2 x 2: shard groups {0, 1} and {2, 3}. Install fails on rank 3 only, so
+    install's own agreement (over each rank's FSDP groups) reaches ranks 2 and 3, not 0
+    and 1: the job-wide agreement makes every rank fall back together (or raise)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan_tide.comm import topology
+    from torchtitan_tide.config import Tide
+    from torchtitan_tide.train_specs import CommModeError, apply_comm_mode
+
+    records = _Records()
+    logging.getLogger().addHandler(records)
+    logging.getLogger().setLevel(logging.INFO)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+    def hsdp_model() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    def info_fails(device):
+        raise RuntimeError("injected topology failure")
+
+    if rank == 3:
+        topology.local_rank_info = info_fails
+    model = hsdp_model()
+    hooks = len(model._forward_pre_hooks)
+    assert apply_comm_mode(model, Tide(comm="tide", fallback="fsdp2")) == "fsdp2"
+    _assert_stock(model, hooks)
+    said = records.grep(f"[rank {rank}] comm = 'tide' could not be set up")
+    assert len(said) == 1 and "injected topology failure" in said[0], said
+    if rank in (0, 1):
+        assert "rank(s) [2, 3]" in said[0], said
+    with pytest.raises(CommModeError, match="injected topology failure"):
+        apply_comm_mode(hsdp_model(), Tide(comm="tide"))
+
+
+def test_install_failure_in_another_fsdp_group_reaches_every_rank_cpu():
+    spawn(_other_group_failure_case, 4)
