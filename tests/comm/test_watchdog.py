@@ -225,3 +225,29 @@ def test_second_caller_waits_for_the_first_report(tmp_path, monkeypatch):
     assert json.loads(error_file.read_text())["message"]["message"] == wd.fired
     assert watchdog.failure_summary(str(tmp_path)) == wd.fired
     assert exits.calls == [(watchdog.EXIT_CODE,)] and len(aborts.calls) == 1
+
+
+def test_unreadable_heartbeat_is_named_not_raised(dog):
+    wd, _, _ = dog
+    wd.store.set("tide_watchdog/1", "garbage")
+    assert wd.silent_peers([1]) == ["rank 1 (unreadable heartbeat 'garbage')"]
+
+
+def test_report_written_and_exit_124_when_the_cause_cannot_be_built(tmp_path, monkeypatch):
+    """A failure while examining the peers must not drop the report: os._exit would end
+    the process with no error line, no torchrun error file and no tide_failures.txt."""
+    exits, aborts = _Recorder(), _Recorder()
+    wd = watchdog.Watchdog(
+        0.3, rank=0, world_size=2, exit_fn=exits, abort_fn=aborts, store=dist.HashStore(),
+        dump_folder=str(tmp_path), poll_s=0.02,
+    )  # fmt: skip
+
+    def broken(ranks):
+        raise KeyError("store answered nonsense")
+
+    monkeypatch.setattr(wd, "silent_peers", broken)
+    overdue = watchdog._Wait(0.0, "TIDE-RS p2p", "group_y", (0, 1), lambda: False, 3)
+    wd.fire(overdue)
+    assert exits.calls == [(watchdog.EXIT_CODE,)] and len(aborts.calls) == 1
+    assert "peers could not be examined (KeyError" in wd.fired and "TIDE-RS p2p" in wd.fired
+    assert watchdog.failure_summary(str(tmp_path)) == wd.fired

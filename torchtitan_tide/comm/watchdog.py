@@ -244,9 +244,14 @@ class Watchdog:
             if beat is None:
                 out.append(f"rank {r} (no heartbeat ever)")
                 continue
-            when, step = beat.split()
-            if now - float(when) > stale_s:
-                out.append(f"rank {r} (no heartbeat for {now - float(when):.0f} s, last in step {step})")
+            try:
+                when, step = beat.split()
+                age_s = now - float(when)
+            except ValueError:
+                out.append(f"rank {r} (unreadable heartbeat {beat!r})")
+                continue
+            if age_s > stale_s:
+                out.append(f"rank {r} (no heartbeat for {age_s:.0f} s, last in step {step})")
         return out
 
     def cause(self, overdue: _Wait) -> str:
@@ -281,11 +286,21 @@ class Watchdog:
                 self.exit_fn(EXIT_CODE)
             return
         try:
-            self.fired = message = self.cause(overdue)
+            try:
+                self.fired = message = self.cause(overdue)
+            except Exception as e:  # noqa: BLE001 - the report must still be written
+                self.fired = message = (
+                    f"TIDE watchdog: rank {self.rank} waited {self.timeout_s:.0f} s at step "
+                    f"{overdue.step} in {overdue.operation} (group {overdue.group}); the "
+                    f"peers could not be examined ({type(e).__name__}: {e}). Aborting the "
+                    f"process groups and exiting with {EXIT_CODE}."
+                )
             report(message, self.dump_folder)
             aborter = threading.Thread(target=self.abort_fn, daemon=True)
             aborter.start()
             aborter.join(10.0)  # an abort that hangs does not keep the process alive
+        except BaseException:  # os._exit below would drop it unseen
+            logger.exception("TIDE watchdog: writing the failure report failed")
         finally:
             try:
                 self.exit_fn(EXIT_CODE)
