@@ -293,3 +293,17 @@ def test_async_manifest_waits_for_the_save_and_skips_a_failed_one(tmp_path):
     with pytest.raises(OSError, match="disk full"):
         chained.result(5)
     assert not (tmp_path / "step-9").exists()
+
+
+def test_async_manifest_future_completes_when_the_save_is_cancelled(tmp_path):
+    """TorchTitan waits on the returned future without a timeout: a cancelled save
+    (executor shut down) must cancel it, not leave it pending forever."""
+    from concurrent.futures import CancelledError, Future
+
+    save = Future()
+    chained = checkpoint._manifest_when_done(save, str(tmp_path / "step-3"), 0, 1)
+    assert save.cancel()
+    assert chained.cancelled()
+    with pytest.raises(CancelledError):
+        chained.result(5)
+    assert not (tmp_path / "step-3").exists()

@@ -361,12 +361,18 @@ def _manifest_when_done(future: Future, step_dir: str, rank: int, world: int) ->
     chained: Future = Future()
 
     def finish(done: Future) -> None:
+        # ``chained`` always completes: TorchTitan waits on it without a timeout.
+        if done.cancelled():  # exception() would raise CancelledError in this callback
+            chained.cancel()
+            return
         error = done.exception()
         if error is not None:
             chained.set_exception(error)
             return
-        _hash_and_log(step_dir, rank, world, "asynchronous save, off the training thread")
-        chained.set_result(done.result())
+        try:
+            _hash_and_log(step_dir, rank, world, "asynchronous save, off the training thread")
+        finally:
+            chained.set_result(done.result())
 
     future.add_done_callback(finish)
     return chained
