@@ -38,3 +38,11 @@ def test_step_without_cuda_sets_no_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", calls.append)
     assert _steps().run("new_group", "node0", [0, 1], lambda: "ok") == "ok"
     assert calls == []
+
+
+def test_store_polling_slows_down_with_the_world_size():
+    from torchtitan_tide.comm.setup_steps import default_poll_s
+
+    assert default_poll_s(2) == default_poll_s(64) == 0.05
+    assert default_poll_s(1024) == 1024 / 2000  # ~2000 store checks/s for the whole job
+    assert default_poll_s(100_000) == 1.0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -296,7 +297,8 @@ def _connect_slots(
         global_ranks = group_global_ranks(p.group)
         node = p.layout.node_of(p.group.rank())
         peers = [global_ranks[r] for r in topology.node_local_group_ranks(p.layout)[node]]
-        scope = f"slots{k}/node{node}"
+        # unique per node-local peer set: groups of other TP ranks, stages or replicas share k
+        scope = f"slots{k}/node{node}/{zlib.crc32(repr(peers).encode()):08x}"
         node_group = steps.run(
             "node-local group", scope, peers,
             lambda p=p, g=global_ranks: _node_local_group(p, g, options.install_timeout_s),

@@ -35,7 +35,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-__all__ = ["SetupFailed", "SetupSteps"]
+__all__ = ["SetupFailed", "SetupSteps", "default_poll_s"]
 
 T = TypeVar("T")
 
@@ -52,6 +52,16 @@ def _own_client(store: dist.Store) -> dist.Store:
         return store
 
 
+_STORE_OPS_PER_S = 2000  # what all waiting ranks together may ask of the one store master
+
+
+def default_poll_s(world_size: int) -> float:
+    """Seconds between a waiting rank's store checks: 50 ms up to 100 ranks, then
+    longer, so that the job's ranks together stay near :data:`_STORE_OPS_PER_S` (the
+    rendezvous and ``new_group`` barriers use the same store); at most 1 s."""
+    return min(1.0, max(0.05, world_size / _STORE_OPS_PER_S))
+
+
 class SetupFailed(RuntimeError):
     """A peer failed or went silent in a set-up step; the message names it."""
 
@@ -61,12 +71,12 @@ class SetupSteps:
     sequence number, equal on every rank (every rank installs in the same order).
     ``scope`` of a step: a name of its peer set, equal on every peer."""
 
-    def __init__(self, install: int, timeout_s: float, poll_s: float = 0.05) -> None:
+    def __init__(self, install: int, timeout_s: float, poll_s: float | None = None) -> None:
         self.store = _own_client(dist.distributed_c10d._get_default_store())
         self.prefix = f"tide_install/{install}"
         self.rank = dist.get_rank()
         self.timeout_s = timeout_s
-        self.poll_s = poll_s
+        self.poll_s = default_poll_s(dist.get_world_size()) if poll_s is None else poll_s
 
     def _error_key(self, scope: str) -> str:
         return f"{self.prefix}/{scope}/error"
