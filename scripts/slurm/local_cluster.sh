@@ -80,9 +80,10 @@ stop_pid_files() {  # SIGTERM every recorded daemon, SIGKILL after 10 s
 }
 
 cluster_steps() {  # slurmstepd processes started by this cluster's slurmd (their environment holds SLURM_CONF=$CONF)
-    local pid
-    for pid in $(pgrep -x slurmstepd 2> /dev/null || true); do
-        tr '\0' '\n' < "/proc/$pid/environ" 2> /dev/null | grep -qx "SLURM_CONF=$CONF" && echo "$pid"
+    local proc
+    for proc in /proc/[0-9]*; do
+        [[ "$(cat "$proc/comm" 2> /dev/null)" == slurmstepd ]] || continue
+        tr '\0' '\n' < "$proc/environ" 2> /dev/null | grep -qx "SLURM_CONF=$CONF" && echo "${proc#/proc/}"
     done
     return 0
 }
@@ -110,12 +111,14 @@ down() {
         say "ending slurmstepd $(echo $strays) of this cluster"
         kill -KILL $strays 2> /dev/null || true
     fi
+    rmdir "$DIR/pids" 2> /dev/null || true
     say "stopped the cluster in $DIR"
 }
 
 write_conf() {
     local nodes="$1" host
-    host="$(hostname -s)"
+    host="$(uname -n)"
+    host="${host%%.*}"
     {
         echo "# local_cluster.sh: $nodes node(s) on loopback, generated $(date -u +%FT%TZ)"
         echo "ClusterName=tidelocal"
