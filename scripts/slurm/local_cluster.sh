@@ -88,6 +88,25 @@ cluster_steps() {  # slurmstepd processes started by this cluster's slurmd (thei
     return 0
 }
 
+descendants() {  # pids: every process below them (parent pids from /proc/*/stat)
+    local -A children=()
+    local proc stat fields pid todo=("$@") out=()
+    for proc in /proc/[0-9]*; do
+        stat="$(cat "$proc/stat" 2> /dev/null)" || continue
+        read -r -a fields <<< "${stat##*) }"  # state, parent pid, ...
+        children[${fields[1]}]+=" ${proc#/proc/}"
+    done
+    while [[ ${#todo[@]} -gt 0 ]]; do
+        pid="${todo[0]}"
+        todo=("${todo[@]:1}")
+        for child in ${children[$pid]:-}; do
+            out+=("$child")
+            todo+=("$child")
+        done
+    done
+    echo "${out[*]}"
+}
+
 down() {
     [[ -d "$DIR/pids" ]] || { say "no cluster in $DIR"; return 0; }
     local ctld
@@ -108,8 +127,10 @@ down() {
     local strays
     strays="$(cluster_steps)"
     if [[ -n "$strays" ]]; then  # a job's step daemons outlive slurmd: end them and their tasks
-        say "ending slurmstepd $(echo $strays) of this cluster"
-        kill -KILL $strays 2> /dev/null || true
+        local tasks
+        tasks="$(descendants $strays)"
+        say "ending slurmstepd $(echo $strays) of this cluster${tasks:+ and their processes $tasks}"
+        kill -KILL $strays $tasks 2> /dev/null || true
     fi
     rmdir "$DIR/pids" 2> /dev/null || true
     say "stopped the cluster in $DIR"
