@@ -12,12 +12,20 @@ SMALL_RUN = ["--training.seq_len", "64", "--training.local_batch_size", "2",
              "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1"]
 
 
-def train(dump_folder: Path, *overrides: str, config: str = "debug_model", nproc: int = 2,
-          timeout: int = 600) -> list[dict]:
-    """Train on CPU/gloo; return the metrics records of this dump folder (all runs)."""
+def cpu_env(nproc: int = 2, **extra: str) -> dict[str, str]:
+    """The environment of a CPU run of ``nproc`` ranks per node: the caller's, without its
+    SLURM_ and MASTER_ variables, plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_"))}
     env.update(TIDE_DEVICE="cpu", NGPU=str(nproc), PYTHON=sys.executable, LOG_RANK="0",
                OMP_NUM_THREADS="1")
+    env.update(extra)
+    return env
+
+
+def train(dump_folder: Path, *overrides: str, config: str = "debug_model", nproc: int = 2,
+          timeout: int = 600) -> list[dict]:
+    """Train on CPU/gloo; return the metrics records of this dump folder (all runs)."""
+    env = cpu_env(nproc)
     result = subprocess.run(
         [str(REPO / "run_train.sh"), "--config", config, "--job.dump_folder", str(dump_folder),
          *SMALL_RUN, *overrides],
