@@ -307,3 +307,19 @@ def test_async_manifest_future_completes_when_the_save_is_cancelled(tmp_path):
     with pytest.raises(CancelledError):
         chained.result(5)
     assert not (tmp_path / "step-3").exists()
+
+
+def test_hf_export_files_are_spread_over_the_ranks(tmp_path):
+    """A last-step HF export (consolidated safetensors that every rank writes a share
+    of) must not all land on rank 0, which would hash about the whole model alone."""
+    (tmp_path / "sharded").mkdir()
+    for i in range(4):
+        (tmp_path / f"model-{i + 1:05d}-of-00004.safetensors").write_bytes(b"w" * 10)
+        (tmp_path / "sharded" / f"shard-{i + 1:05d}-model.safetensors").write_bytes(b"s" * 10)
+    (tmp_path / "model.safetensors.index.json").write_bytes(b"{}")
+    owned = {rank: checkpoint._own_files(str(tmp_path), rank, world=4) for rank in range(4)}
+    assert all(len([f for f in files if f.endswith(".safetensors")]) == 2
+               for files in owned.values()), owned  # fmt: skip
+    assert "model.safetensors.index.json" in owned[0]
+    every = sorted(f for files in owned.values() for f in files)
+    assert len(every) == len(set(every)) == 9  # each file hashed once

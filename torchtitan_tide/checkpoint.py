@@ -97,23 +97,29 @@ def manifest_part(step_dir: str, rank: int) -> str:
     return os.path.join(step_dir, f"{MANIFEST}.{rank}.json")
 
 
-def _owner(rel: str) -> int:
-    """The rank that wrote ``rel`` in a DCP save: ``__<r>_*`` files are rank r's, the
-    rest (``.metadata``, consolidated safetensors) rank 0's."""
-    m = _DCP_RANK_FILE.match(os.path.basename(rel))
-    return int(m.group(1)) if m else 0
-
-
-def _own_files(step_dir: str, rank: int) -> list[str]:
-    """Files under ``step_dir`` (relative, sorted) written by ``rank``; TIDE's own
-    ``.tide_*`` files excluded."""
-    out = []
+def _own_files(step_dir: str, rank: int, world: int = 1) -> list[str]:
+    """Files under ``step_dir`` (relative, sorted) that ``rank`` of ``world`` hashes;
+    TIDE's own ``.tide_*`` files excluded. ``__<r>_*`` files (DCP) are rank r's, as are
+    ``.metadata`` and ``*.index.json`` rank 0's; the others (a last-step HF export's
+    safetensors, which every rank writes a share of) are spread over the ranks by their
+    sorted position, so no rank hashes the whole model alone."""
+    dcp, other = [], []
     for root, _, names in os.walk(step_dir):
         for name in names:
+            if name.startswith(".tide_"):
+                continue
             rel = os.path.relpath(os.path.join(root, name), step_dir)
-            if not name.startswith(".tide_") and _owner(rel) == rank:
-                out.append(rel)
-    return sorted(out)
+            m = _DCP_RANK_FILE.match(name)
+            if m:
+                if int(m.group(1)) == rank:
+                    dcp.append(rel)
+            elif name == ".metadata" or name.endswith(".index.json"):
+                if rank == 0:
+                    dcp.append(rel)
+            else:
+                other.append(rel)
+    spread = [rel for i, rel in enumerate(sorted(other)) if i % max(world, 1) == rank]
+    return sorted(dcp + spread)
 
 
 def _sha256(path: str) -> str:
@@ -129,7 +135,7 @@ def write_manifest(step_dir: str, rank: int = 0, world: int = 1) -> int:
     ranks) into its part :func:`manifest_part`; local, no collective. Returns the bytes
     hashed."""
     entries = {}
-    for rel in _own_files(step_dir, rank):
+    for rel in _own_files(step_dir, rank, world):
         full = os.path.join(step_dir, rel)
         entries[rel] = [os.path.getsize(full), _sha256(full)]
     path = manifest_part(step_dir, rank)
