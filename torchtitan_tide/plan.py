@@ -126,7 +126,8 @@ class WorldPlan:
 def load_config_model(config: str) -> ConfigModel:
     """Resolve ``config`` (name in train_configs/ or path), read its TOML, build the model
     on the meta device and group its parameters. Raises :class:`PlanError`."""
-    from torchtitan_tide.launch import LaunchError, resolve_config
+    from torchtitan_tide.launch.command_line import resolve_config
+    from torchtitan_tide.launch.errors import LaunchError
 
     try:
         path = resolve_config(config)

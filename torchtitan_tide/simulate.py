@@ -390,7 +390,7 @@ def build_inputs(cm: Any, results_dir: Path, trace_path: str | Path | None, mfu:
         trace = None
     if trace is not None:
         from torchtitan_tide.config import load_toml
-        from torchtitan_tide.launch import resolve_config
+        from torchtitan_tide.launch.command_line import resolve_config
 
         traced = load_toml(str(resolve_config(trace["config"])))
         traced_tokens = tokens_per_gpu(traced, cm.model_args)

@@ -64,7 +64,7 @@ def load_job_config(config: str, overrides: Sequence[str] = ()):
     TorchTitan command-line ``overrides``."""
     from torchtitan.config import ConfigManager
 
-    from torchtitan_tide.launch import resolve_config
+    from torchtitan_tide.launch.command_line import resolve_config
 
     path = resolve_config(config)
     return ConfigManager().parse_args(["--job.config_file", str(path), *overrides])
