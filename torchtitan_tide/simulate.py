@@ -591,7 +591,7 @@ def layout_for(cm: Any, gpus: int, cluster: Cluster) -> Layout:
     """FSDP shard degree and ranks per node of ``gpus`` (the planner's ``world_for``)."""
     if gpus == 1:
         return Layout(1, 1)
-    from torchtitan_tide.plan import PlanError, world_for
+    from torchtitan_tide.fsdp_groups import FsdpGroupsError as PlanError, world_for
 
     try:
         world = world_for(cm.table, gpus, cluster.gpus_per_node, where=cm.path.name)
@@ -612,7 +612,7 @@ def simulate_config(
     inputs: Inputs | None = None,
 ) -> dict[str, Any]:
     """Rows (one per mode) and the inputs of ``config`` at ``gpus``."""
-    from torchtitan_tide.plan import load_config_model
+    from torchtitan_tide.fsdp_groups import load_config_model
 
     cm = cm or load_config_model(config)
     inputs = inputs or build_inputs(cm, results_dir, trace, mfu)

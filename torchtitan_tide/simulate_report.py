@@ -124,7 +124,8 @@ def _residual(config, mode, gpus, simulated, measured, source, missing) -> dict[
 def reference_rows(results_dir: Path, cluster: Cluster) -> tuple[list[dict], dict]:
     """The nine reference configs at 8-64 GPUs, each in the mode its TOML selects (the
     ``*_tide`` configs also as tide_ag); speed-up vs the same model's fsdp2 config."""
-    from torchtitan_tide.plan import load_config_model, selected_mode
+    from torchtitan_tide.fsdp_groups import load_config_model
+    from torchtitan_tide.memory_report import selected_mode
 
     rows, inputs = [], {}
     fsdp2_step: dict[tuple[str, int], float] = {}
@@ -152,7 +153,7 @@ def reference_rows(results_dir: Path, cluster: Cluster) -> tuple[list[dict], dic
 def sensitivity_rows(results_dir: Path, cluster: Cluster) -> list[dict[str, Any]]:
     """Llama-3.1-70B and Qwen3-30B-A3B at 64 GPUs: NIC Gb/s per GPU, GPUs per node, and
     NCCL's hierarchical all-gather for symm_mem."""
-    from torchtitan_tide.plan import load_config_model
+    from torchtitan_tide.fsdp_groups import load_config_model
 
     rows = []
     variants = [

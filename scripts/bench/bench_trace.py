@@ -3,7 +3,7 @@ simulator's compute input, ``python -m torchtitan_tide.simulate --trace``).
 
 The model, shapes, loss and data are bench_floor's (the trainer's, per-GPU work of a
 ``--world-size``-rank step, no communication). Each FSDP group of the memory planner's
-grouping (``torchtitan_tide.plan.fsdp_group_modules``: the groups FSDP2 would wrap) gets
+grouping (``torchtitan_tide.fsdp_groups.fsdp_group_modules``: the groups FSDP2 would wrap) gets
 timing marks: forward from the group's first module's pre-hook to its last module's
 forward hook; backward from the gradient hook of the group's output (its backward
 starts) to the last gradient accumulated into one of its parameters (it is done). On
@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_floor
 import common
 
-from torchtitan_tide.plan import fsdp_group_modules
+from torchtitan_tide.fsdp_groups import fsdp_group_modules
 
 COLUMNS = [
     ["group", "group"],

@@ -200,7 +200,7 @@ def test_cli_prints_rows_and_sources(tmp_path, capsys):
 
 
 def test_inputs_fall_back_to_flops_when_the_trace_has_other_layers():
-    from torchtitan_tide.plan import load_config_model
+    from torchtitan_tide.fsdp_groups import load_config_model
 
     cm = load_config_model("debug_model")  # llama3_tide, but not the 70B layer of the trace
     inputs = sim.build_inputs(cm, sim.RESULTS, None, mfu=0.5)
