@@ -302,6 +302,7 @@ def _connect_slots(
         node_group = steps.run(
             "node-local group", scope, peers,
             lambda p=p, g=global_ranks: _node_local_group(p, g, options.install_timeout_s),
+            p.device,
         )  # fmt: skip
         if node_group is not p.group:
             ctx.node_groups.append(node_group)
@@ -311,11 +312,9 @@ def _connect_slots(
                 return steps.exchange(f"{what} slot details", scope, peers, value)
 
             def rendezvous() -> SymmSlots:
-                on_device = torch.cuda.device(p.device) if p.device.type == "cuda" else None
-                with on_device or contextlib.nullcontext():  # the helper thread's device
-                    return SymmSlots.connect(buffer, group, p.device, options.slot_barrier, exchange)
+                return SymmSlots.connect(buffer, group, p.device, options.slot_barrier, exchange)
 
-            return steps.run(f"{what} symmetric-memory rendezvous", scope, peers, rendezvous)
+            return steps.run(f"{what} symmetric-memory rendezvous", scope, peers, rendezvous, p.device)
 
         ag_slots[key] = connect(p.ag_buffer, "TIDE-AG")
         ctx.slots.append(ag_slots[key])
