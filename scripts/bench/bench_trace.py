@@ -217,21 +217,14 @@ def write_outputs(stem: Path, result: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None, runner: Callable = run) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="h200x2_llama70b_4layers")
-    parser.add_argument("--world-size", type=int, default=2,
-                        help="ranks of the step whose per-GPU work is traced")  # fmt: skip
-    parser.add_argument("--device", default="auto", help="auto | cuda | cpu")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser = common.step_work_parser(__doc__.splitlines()[0], "traced")
     parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--out-dir", default="bench/results")
     args, overrides = parser.parse_known_args(argv)
     if args.world_size < 1 or args.iters < 1 or args.warmup < 0:
         parser.error("--world-size and --iters must be >= 1, --warmup >= 0")
     result = runner(args, overrides)
     stem = common.result_stem(args.out_dir, f"trace_{result['config']}", result["metadata"])
-    print(write_outputs(stem, result))
-    print(f"results: {stem}.json / .md / .png", flush=True)
+    common.announce_results(stem, write_outputs(stem, result))
     return 0
 
 
