@@ -196,9 +196,10 @@ def _settle_transports(cands: list[_Candidate], gathered: dict[int, list[dict]])
 
 
 def _build_plans(
-    cands: list[_Candidate], decisions: list[str], fqns: dict[int, str]
+    cands: list[_Candidate], decisions: list[str], fqns: dict[int, str], pacing: int
 ) -> list[_Candidate]:
-    """Plan every candidate with a transport (local); ``fqns``: parameter names."""
+    """Plan every candidate with a transport (local); ``fqns``: parameter names;
+    ``pacing``: the most point-to-point chunks per wave (``TideOptions.pacing``)."""
     taken = []
     for c in cands:
         if c.kind is None:
@@ -215,7 +216,8 @@ def _build_plans(
         ]
         assert c.layout is not None
         c.plan = build_group_plan(
-            specs, c.layout, c.group.rank(), pull_local=c.kind == "copy_engine"
+            specs, c.layout, c.group.rank(), pull_local=c.kind == "copy_engine",
+            pacing=pacing,
         )
         if not c.plan.uses_tide:
             decisions.append(f"{c.fqn}: FSDP2 path ({c.plan.fallback_reason})")
@@ -365,7 +367,7 @@ def _mark_groups(
         else:
             if key not in p2p_by_key:
                 p2p_by_key[key] = P2PTransport(
-                    "nccl_p2p" if c.device.type == "cuda" else "gloo", options.pacing
+                    "nccl_p2p" if c.device.type == "cuda" else "gloo", c.device
                 )
             transport = p2p_by_key[key]
         ag_comm = getattr(c.pg, "_all_gather_comm", None)
@@ -478,7 +480,7 @@ def install(model: nn.Module, options: TideOptions) -> None:
         # Local work that can fail alone (plans, symmetric buffers) before any rendezvous.
         error, taken, pending = None, [], {}
         try:
-            taken = _build_plans(cands, decisions, fsdp_internals.param_fqns(model))
+            taken = _build_plans(cands, decisions, fsdp_internals.param_fqns(model), options.pacing)
             pending = _allocate_slots(taken, options)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             error = _error_text(e)

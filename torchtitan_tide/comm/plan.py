@@ -40,6 +40,7 @@ shards, so a step moves ``2**k`` chunks of one shard each per parameter.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -154,7 +155,9 @@ class Exchange:
     """One point-to-point step for one rank: send the shards of ``send_ranks``
     to ``send_peer`` and receive the shards of ``recv_ranks`` from
     ``recv_peer`` (peers are group ranks; ``send_peer == recv_peer`` for
-    recursive doubling)."""
+    recursive doubling). ``send_waves`` / ``recv_waves``: the messages, the
+    :func:`chunks_for_ranks` of ``send_ranks`` / ``recv_ranks`` in waves of at most
+    ``pacing`` chunks (:func:`pace_chunks`; filled by :func:`build_group_plan`)."""
 
     phase: str  # "cross_node" | "node_local"
     step: int
@@ -162,6 +165,8 @@ class Exchange:
     send_ranks: tuple[int, ...]
     recv_peer: int
     recv_ranks: tuple[int, ...]
+    send_waves: tuple[tuple[Chunk, ...], ...] = ()
+    recv_waves: tuple[tuple[Chunk, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -278,25 +283,32 @@ def chunks_for_ranks(params: tuple[ParamPlan, ...], ranks: tuple[int, ...]) -> l
     return chunks
 
 
-def pace_chunks(chunks: list[Chunk], pacing: int) -> list[list[Chunk]]:
+def pace_chunks(chunks: list[Chunk], pacing: int) -> list[tuple[Chunk, ...]]:
     """Split one step's chunks into waves of at most ``pacing`` chunks
     (``pacing <= 0``: one wave). Both sides of an exchange compute the same
     waves from the same plan, so wave ``i`` of the sender matches wave ``i`` of
     the receiver."""
     if pacing <= 0 or len(chunks) <= pacing:
-        return [chunks] if chunks else []
-    return [chunks[i : i + pacing] for i in range(0, len(chunks), pacing)]
+        return [tuple(chunks)] if chunks else []
+    return [tuple(chunks[i : i + pacing]) for i in range(0, len(chunks), pacing)]
 
 
 def build_group_plan(
-    specs: list[ParamSpec], layout: WorldLayout, rank: int, *, pull_local: bool = False
+    specs: list[ParamSpec],
+    layout: WorldLayout,
+    rank: int,
+    *,
+    pull_local: bool = False,
+    pacing: int = 0,
 ) -> GroupPlan:
     """Plan one FSDP group for ``rank``.
 
     Any unsupported parameter makes the whole group fall back (FSDP2 gathers a
     group in one collective; splitting a group between two paths would need two
     results per unshard). ``pull_local=True`` leaves the node-local phase to a
-    pull-based transport (no node-local exchanges in the plan).
+    pull-based transport (no node-local exchanges in the plan). Every exchange
+    carries its messages in waves of at most ``pacing`` chunks (``[tide]
+    ag_pacing``; 0: one wave), so the transport only posts them.
     """
     if not 0 <= rank < layout.world_size:
         raise ValueError(f"rank {rank} outside world of {layout.world_size}")
@@ -318,6 +330,14 @@ def build_group_plan(
     exchanges = cross_node_exchanges(layout, rank)
     if not pull_local:
         exchanges += node_local_exchanges(layout, rank)
+    exchanges = [
+        dataclasses.replace(
+            ex,
+            send_waves=tuple(pace_chunks(chunks_for_ranks(params, ex.send_ranks), pacing)),
+            recv_waves=tuple(pace_chunks(chunks_for_ranks(params, ex.recv_ranks), pacing)),
+        )
+        for ex in exchanges
+    ]
     return GroupPlan(
         rank=rank,
         layout=layout,

@@ -400,7 +400,8 @@ class CopyEngineTransport:
         outputs: list[torch.Tensor],
         group: dist.ProcessGroup,
     ) -> dist.Work | None:
-        slots, layout, rank = self.slots, plan.layout, plan.rank
+        slots = self.slots
+        layout, rank = plan.layout, plan.rank
         node = layout.node_of(rank)
         num_nodes, lws = layout.num_nodes, layout.local_world_size
         base = (slots.round % 2) * slots.slot_bytes

@@ -18,16 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import watchdog
-from ..plan import (
-    Chunk,
-    GroupPlan,
-    RSRound,
-    RSSegment,
-    WorldLayout,
-    chunks_for_ranks,
-    pace_chunks,
-    rs_push_slices,
-)
+from ..plan import Chunk, GroupPlan, RSRound, RSSegment, WorldLayout, rs_push_slices
 from . import global_rank
 
 __all__ = ["P2PTransport"]
@@ -38,15 +29,16 @@ def _byte_view(storage: torch.Tensor, chunk: Chunk) -> torch.Tensor:
 
 
 class P2PTransport:
-    """Paced point-to-point exchange. ``pacing``: see ``TideOptions.pacing``.
+    """Point-to-point exchange of the plan's waves (paced by the plan:
+    ``build_group_plan(pacing=...)``, ``TideOptions.pacing``).
 
-    One instance per (process group, device), shared by its FSDP groups: it
+    One instance per (process group, ``device``), shared by its FSDP groups: it
     owns the TIDE-RS receive staging (``rows`` x the largest row, grown on
     first use, reused by every round: rounds are ordered on one stream)."""
 
-    def __init__(self, name: str, pacing: int = 0) -> None:
+    def __init__(self, name: str, device: torch.device) -> None:
         self.name = name
-        self.pacing = pacing
+        self.device = device
         self.staging: torch.Tensor | None = None  # uint8, TIDE-RS rows
 
     def gather(
@@ -58,8 +50,7 @@ class P2PTransport:
     ) -> dist.Work | None:
         del inputs  # sends read the already-written slots of ``outputs``
         for ex in plan.exchanges:
-            send_waves = pace_chunks(chunks_for_ranks(plan.params, ex.send_ranks), self.pacing)
-            recv_waves = pace_chunks(chunks_for_ranks(plan.params, ex.recv_ranks), self.pacing)
+            send_waves, recv_waves = ex.send_waves, ex.recv_waves
             send_peer = global_rank(group, ex.send_peer)
             recv_peer = global_rank(group, ex.recv_peer)
             for i in range(max(len(send_waves), len(recv_waves))):
@@ -79,7 +70,7 @@ class P2PTransport:
                 if not ops:
                     continue
                 watchdog.wait_works(dist.batch_isend_irecv(ops), "TIDE-AG p2p gather", group,
-                                    (send_peer, recv_peer), outputs[0].device)  # fmt: skip
+                                    (send_peer, recv_peer), self.device)  # fmt: skip
         return None
 
     def exchange_rows(
@@ -101,7 +92,7 @@ class P2PTransport:
         rows_used = len(rnd.recvs)
         nbytes = rows_used * row_numel * itemsize
         if self.staging is None or self.staging.numel() < nbytes:
-            self.staging = torch.empty(nbytes, dtype=torch.uint8, device=grads[0].device)
+            self.staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         rows = self.staging.narrow(0, 0, nbytes).view(dtype).view(rows_used, row_numel)
         local = layout.local_of(rank)
         my_dst = layout.rank_of(rnd.chunk_node, local)
@@ -126,5 +117,5 @@ class P2PTransport:
         if ops:
             peers = tuple(sorted({op.peer for op in ops}))
             watchdog.wait_works(dist.batch_isend_irecv(ops), "TIDE-RS p2p rows", group, peers,
-                                rows.device)  # fmt: skip
+                                self.device)  # fmt: skip
         return rows
