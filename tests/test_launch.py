@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from torchtitan_tide.launch import checks, command_line, job_config, main
 from torchtitan_tide.config import load_toml
+from torchtitan_tide.launch import checks, command_line, job_config, main
 
 
 def run_dry(repo, args, cwd=None, **env):

@@ -591,7 +591,8 @@ def layout_for(cm: Any, gpus: int, cluster: Cluster) -> Layout:
     """FSDP shard degree and ranks per node of ``gpus`` (the planner's ``world_for``)."""
     if gpus == 1:
         return Layout(1, 1)
-    from torchtitan_tide.fsdp_groups import FsdpGroupsError as PlanError, world_for
+    from torchtitan_tide.fsdp_groups import FsdpGroupsError as PlanError
+    from torchtitan_tide.fsdp_groups import world_for
 
     try:
         world = world_for(cm.table, gpus, cluster.gpus_per_node, where=cm.path.name)

@@ -33,7 +33,6 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from torchtitan_tide import comm
-from torchtitan_tide.launch import command, main, world
 from torchtitan_tide.comm import symm_mem
 from torchtitan_tide.comm.fsdp_patch import fsdp_param_groups
 from torchtitan_tide.comm.symm_mem import (
@@ -46,6 +45,7 @@ from torchtitan_tide.comm.symm_mem import (
     group_problems,
     resolve_cta_policy,
 )
+from torchtitan_tide.launch import command, main, world
 
 REPO = Path(__file__).resolve().parents[2]
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2

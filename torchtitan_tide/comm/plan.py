@@ -49,11 +49,14 @@ __all__ = [
     "GroupPlan",
     "ParamPlan",
     "ParamSpec",
+    "RSChunk",
+    "RSPlan",
     "RSRound",
     "RSSegment",
     "RSSlice",
     "WorldLayout",
     "build_group_plan",
+    "build_rs_plan",
     "chunks_for_ranks",
     "cross_node_exchanges",
     "node_local_exchanges",
@@ -484,3 +487,51 @@ def rs_cross_node_peers(layout: WorldLayout, rank: int, chunk_node: int) -> tupl
     if step == 0:
         raise ValueError("the own node's chunk has no cross-node step")
     return layout.rank_of(chunk_node, local), layout.rank_of((node - step) % num_nodes, local)
+
+
+@dataclass(frozen=True)
+class RSChunk:
+    """One chunk of a TIDE-RS reduce as one rank runs it: the ranks of node
+    ``chunk_node`` own it; its node-local ``rounds`` (:func:`rs_schedule`) with the
+    slices this rank pushes in each (``pushes[i]``: :func:`rs_push_slices` of
+    ``rounds[i]``); for another node's chunk the cross-node ``(send_peer,
+    recv_peer)`` (:func:`rs_cross_node_peers`; None for the own node's chunk)."""
+
+    chunk_node: int
+    rounds: tuple[RSRound, ...]
+    pushes: tuple[tuple[RSSlice, ...], ...]
+    cross_peers: tuple[int, int] | None
+
+
+@dataclass(frozen=True)
+class RSPlan:
+    """A TIDE-RS reduce of one gradient shape as ``rank`` runs it, every message
+    decided: the gradients' ``segments``, the flat fp32 ``shard_numel``, and the
+    ``chunks`` in the order the rank reduces them."""
+
+    segments: tuple[RSSegment, ...]
+    shard_numel: int
+    chunks: tuple[RSChunk, ...]
+
+
+def build_rs_plan(
+    layout: WorldLayout, rank: int, rows: int, numels: list[int], shard_numels: list[int]
+) -> RSPlan:
+    """The :class:`RSPlan` of ``rank`` for gradients of ``numels`` elements (padded
+    shards ``shard_numels``) with ``rows`` source rows per round (pure: the caller
+    caches it per shape)."""
+    segments, shard_numel = rs_segments(numels, shard_numels)
+    by_node: dict[int, list[RSRound]] = {}
+    for rnd in rs_schedule(layout, rank, rows):
+        by_node.setdefault(rnd.chunk_node, []).append(rnd)
+    node = layout.node_of(rank)
+    chunks = tuple(
+        RSChunk(
+            chunk_node=m,
+            rounds=tuple(rounds),
+            pushes=tuple(tuple(rs_push_slices(layout, rnd, segments)) for rnd in rounds),
+            cross_peers=None if m == node else rs_cross_node_peers(layout, rank, m),
+        )
+        for m, rounds in by_node.items()
+    )
+    return RSPlan(segments, shard_numel, chunks)

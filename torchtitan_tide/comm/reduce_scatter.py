@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from . import kernels, streams, watchdog
-from .plan import RSRound, WorldLayout, rs_cross_node_peers, rs_schedule, rs_segments
+from .plan import RSPlan, WorldLayout, build_rs_plan
 from .transport import ReduceScatterTransport, global_rank
 
 __all__ = [
@@ -142,17 +142,15 @@ class TideRSState:
     partial_from_tide: bool = False
     # The RS plan, built on the first reduce of each shape and reused (pure functions
     # of layout, rank, rows and the gradients' numels; host time on every backward).
-    plans: dict[tuple, tuple] = field(default_factory=dict)
+    plans: dict[tuple, RSPlan] = field(default_factory=dict)
 
-    def plan_for(self, numels: tuple[int, ...], shard_numels: tuple[int, ...], rows: int):
-        """``(segments, shard_numel, rounds by chunk node)`` of one reduce."""
+    def plan_for(self, numels: tuple[int, ...], shard_numels: tuple[int, ...], rows: int) -> RSPlan:
+        """The :class:`RSPlan` of one reduce (``plan.build_rs_plan``, cached per shape)."""
         key = (numels, shard_numels, rows)
         if (cached := self.plans.get(key)) is None:
-            segments, shard_numel = rs_segments(list(numels), list(shard_numels))
-            chunk_rounds: dict[int, list[RSRound]] = {}
-            for rnd in rs_schedule(self.layout, self.rank, rows):
-                chunk_rounds.setdefault(rnd.chunk_node, []).append(rnd)
-            cached = self.plans[key] = (segments, shard_numel, chunk_rounds)
+            cached = self.plans[key] = build_rs_plan(
+                self.layout, self.rank, rows, list(numels), list(shard_numels)
+            )
         return cached
 
 
@@ -318,16 +316,17 @@ def _cross_node_step(
     state: TideRSState,
     partial: torch.Tensor,
     partial_slot: int,
-    chunk_node: int,
+    cross_peers: tuple[int, int],
     out: torch.Tensor,
     divisor: float,
     cross: torch.Stream | None,
 ) -> None:
     """Phase 2 for one chunk: send ``partial`` to its owner, add the partial
     received for this rank into ``out`` (divided by ``divisor`` when it is the
-    last addition). CUDA: on ``cross``, after phase 1 of this chunk."""
-    layout, rank, group = state.layout, state.rank, state.group
-    send_peer, recv_peer = rs_cross_node_peers(layout, rank, chunk_node)
+    last addition); ``cross_peers``: the chunk's (send, receive) group ranks.
+    CUDA: on ``cross``, after phase 1 of this chunk."""
+    group = state.group
+    send_peer, recv_peer = cross_peers
     device = out.device
     if cross is not None:
         cross.wait_stream(torch.cuda.current_stream(device))
@@ -379,11 +378,12 @@ def tide_reduce(
     grads = [
         g.reshape(-1) if g.is_contiguous() else g.contiguous().view(-1) for g in unsharded_grads
     ]
-    segments, shard_numel, chunk_rounds = state.plan_for(
+    plan = state.plan_for(
         tuple(g.numel() for g in grads),
         tuple(fp._sharded_param_data.numel() for fp in fsdp_params),
         rows,
     )
+    segments, shard_numel = plan.segments, plan.shard_numel
     final_divisor = _divide_factor(state.group, gradient_divide_factor, all_reduce_group)
     cuda = device.type == "cuda"
     if cuda:
@@ -406,23 +406,23 @@ def tide_reduce(
 
     with _stream_ctx(comm):
         out = _poisoned(torch.empty(shard_numel, dtype=torch.float32, device=device))
-        for chunk_node, chunk in chunk_rounds.items():
-            own = chunk_node == node
+        for chunk in plan.chunks:
+            own = chunk.cross_peers is None
             slot = -1
             if own:
                 target = out
             else:
                 slot, target = state.buffers.take_partial(shard_numel, device)
-            for rnd in chunk:
+            for rnd, pushes in zip(chunk.rounds, chunk.pushes):
                 staged = state.transport.exchange_rows(
-                    layout, rank, rnd, grads, segments, shard_numel, state.group
+                    layout, rank, rnd, pushes, grads, segments, shard_numel, state.group
                 )
                 divisor = final_divisor if (own and num_nodes == 1 and rnd.last) else 1.0
                 _accumulate_phase1(staged, target, rnd.first, divisor, state.ctas)
-            if not own:
-                is_last = chunk_node == (node + num_nodes - 1) % num_nodes
+            if chunk.cross_peers is not None:
+                is_last = chunk.chunk_node == (node + num_nodes - 1) % num_nodes
                 _cross_node_step(
-                    state, target, slot, chunk_node, out,
+                    state, target, slot, chunk.cross_peers, out,
                     final_divisor if is_last else 1.0, cross,
                 )  # fmt: skip
         reduce_scatter_event = _record(comm, reduce_scatter_stream)

@@ -17,7 +17,6 @@ def summary(config_path: Path, world: World, run: CheckedRun, env_notes: list[st
     comm mode the ranks will run (``run.comm``: the fallback and why, where one is taken),
     TIDE's node layout, and ``env_notes`` (``command.comm_env``)."""
     values, table, tide = run.values, run.table, run.tide
-    model = table.get("model", {})
 
     def pick(section_name: str, key: str, default):
         return values.get(f"{section_name}.{key}", table.get(section_name, {}).get(key, default))
@@ -26,8 +25,8 @@ def summary(config_path: Path, world: World, run: CheckedRun, env_notes: list[st
     fallback = run.comm.fallback_reason
     lines = [
         f"config      {config_path}",
-        f"model       {pick('model', 'name', 'llama3')} / flavor "
-        f"{pick('model', 'flavor', 'debugmodel')}",
+        (f"model       {pick('model', 'name', 'llama3')} / flavor "
+         f"{pick('model', 'flavor', 'debugmodel')}"),
         f"world       {world.size} = {world.nnodes} node(s) x {world.nproc_per_node} {unit} "
         f"({world.backend}); this node rank {world.node_rank}"
         + (f", rendezvous {world.master_addr}:{world.master_port}" if world.nnodes > 1 else ""),

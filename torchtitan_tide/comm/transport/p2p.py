@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import watchdog
-from ..plan import Chunk, GroupPlan, RSRound, RSSegment, WorldLayout, rs_push_slices
+from ..plan import Chunk, GroupPlan, RSRound, RSSegment, RSSlice, WorldLayout
 from . import global_rank
 
 __all__ = ["P2PTransport"]
@@ -78,13 +78,14 @@ class P2PTransport:
         layout: WorldLayout,
         rank: int,
         rnd: RSRound,
+        pushes: tuple[RSSlice, ...],
         grads: list[torch.Tensor],
         segments: tuple[RSSegment, ...],
         row_numel: int,
         group: dist.ProcessGroup,
     ) -> torch.Tensor:
         """One node-local TIDE-RS round (``plan.rs_schedule``) over send/recv:
-        every slice goes straight from the sender's gradient into the
+        every slice of ``pushes`` (from the plan) goes straight from the sender's gradient into the
         receiver's staging row (the own slice by a local copy). Returns the
         received rows ``[len(rnd.recvs), row_numel]`` in the gradients' dtype,
         complete on the current stream (NCCL) or on the host (gloo)."""
@@ -97,7 +98,7 @@ class P2PTransport:
         local = layout.local_of(rank)
         my_dst = layout.rank_of(rnd.chunk_node, local)
         ops: list[dist.P2POp] = []
-        for push in rs_push_slices(layout, rnd, segments):
+        for push in pushes:
             src = grads[push.param_index].narrow(0, push.src_offset, push.numel)
             if push.peer == local:
                 rows[push.row].narrow(0, push.dst_offset, push.numel).copy_(src)
