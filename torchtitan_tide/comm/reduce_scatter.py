@@ -2,7 +2,8 @@
 
 Replaces, for TIDE groups only, FSDP2's ``foreach_reduce`` (``chunk_cat`` of
 every gradient into a flat full-group fp32 buffer, then one NCCL
-reduce-scatter); ``fsdp_patch`` dispatches to :func:`tide_reduce`.
+reduce-scatter); ``fsdp_patch`` dispatches to :func:`reduce_or_reason`, which
+decides whether TIDE-RS can take the reduce and runs :func:`tide_reduce`.
 
 Phase 1, node-local (``plan.rs_schedule``): every rank pushes its slices of
 its gradients, read where autograd left them, into local peers' staging rows
@@ -53,6 +54,7 @@ __all__ = [
     "TideRSState",
     "TideReduceResult",
     "check_gradient_sets",
+    "reduce_or_reason",
     "rows_per_round",
     "rs_numerics_note",
     "rs_unsupported_reason",
@@ -273,6 +275,79 @@ def rows_per_round(state: TideRSState, shard_numel: int, itemsize: int) -> int:
     if capacity is None or shard_numel == 0:
         return rows
     return min(rows, capacity // (shard_numel * itemsize))
+
+
+def stock_reason(
+    state: TideRSState, fsdp_params: list, unsharded_grads: list[torch.Tensor], call: dict,
+    custom_comm: str | None = None,
+) -> tuple[str | None, int]:
+    """``(why this reduce must take FSDP2's path or None, TIDE-RS rows per round)``
+    for FSDP2's ``foreach_reduce`` arguments ``call``; ``custom_comm``: the
+    dispatcher's reason (a custom reduce-scatter set after ``comm.apply``).
+
+    Raises:
+        RuntimeError: FSDP2's path would mix the two paths' partial sums of HSDP
+            microbatches without all-reduce (TIDE's are divided already, FSDP2's
+            are not: a silent scale error).
+    """
+    reason, rows = custom_comm, 0
+    if reason is None:
+        reason = rs_unsupported_reason(
+            unsharded_grads, call["reduce_dtype"], call["orig_dtype"], call["all_reduce_group"],
+            call["all_reduce_hook"],
+        )  # fmt: skip
+    if reason is None:
+        shard_numel = sum(fp._sharded_param_data.numel() for fp in fsdp_params)
+        rows = rows_per_round(state, shard_numel, unsharded_grads[0].element_size())
+        if rows == 0:
+            reason = (
+                f"{shard_numel} x {unsharded_grads[0].dtype} gradients per shard do not fit "
+                "one staging row of the copy-engine slots"
+            )
+    pending = call.get("partial_reduce_output") is not None
+    if reason is not None and pending and state.partial_from_tide:
+        raise RuntimeError(
+            f"TIDE-RS {state.fqn}: this reduce must take FSDP2's path ({reason}) while a "
+            "partial sum of microbatches without all-reduce from TIDE-RS is pending; the two "
+            "paths scale partial sums differently. Change custom comms only right after an "
+            "optimizer step."
+        )
+    if reason is None and pending and not state.partial_from_tide:
+        reason = "a partial sum of microbatches from FSDP2's path is pending (HSDP)"
+    return reason, rows
+
+
+def reduce_or_reason(
+    state: TideRSState,
+    param_group,
+    fsdp_params: list,
+    unsharded_grads: list[torch.Tensor],
+    call: dict,
+    custom_comm: str | None = None,
+) -> TideReduceResult | str:
+    """One FSDP2 ``foreach_reduce`` of a TIDE-RS group (``call``: its bound
+    arguments, defaults applied): reduced by :func:`tide_reduce`, or the reason it
+    must take FSDP2's path (:func:`stock_reason`; nothing was reduced then).
+    Collective on the TIDE path (:func:`check_gradient_sets`)."""
+    reason, rows = stock_reason(state, fsdp_params, unsharded_grads, call, custom_comm)
+    if reason is not None:
+        return reason
+    check_gradient_sets(state, param_group, fsdp_params)
+    if state.calls == 0 and (note := rs_numerics_note(
+        unsharded_grads, call["reduce_dtype"], call["orig_dtype"]
+    )):  # fmt: skip
+        logger.info("TIDE-RS %s: %s", state.fqn, note)
+    result = tide_reduce(
+        state, fsdp_params, unsharded_grads, call["reduce_scatter_stream"],
+        call["orig_dtype"], call["device"], call["gradient_divide_factor"],
+        rows=rows,
+        all_reduce_group=call["all_reduce_group"],
+        all_reduce_stream=call["all_reduce_stream"],
+        all_reduce_grads=call["all_reduce_grads"],
+        partial_reduce_output=call["partial_reduce_output"],
+    )  # fmt: skip
+    state.partial_from_tide = result.partial_reduce_output is not None
+    return result
 
 
 def _accumulate_phase1(
