@@ -205,10 +205,10 @@ def _foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, *args, *
             fsdp_params, unsharded_grads, reduce_scatter_group, *args, **kwargs
         )
         call.apply_defaults()
+        custom_comm = _custom_comm_reason(state, param_group)
         result = reduce_or_reason(
-            state, param_group, fsdp_params, unsharded_grads, call.arguments,
-            _custom_comm_reason(state, param_group),
-        )  # fmt: skip
+            state, param_group, fsdp_params, unsharded_grads, call.arguments, custom_comm
+        )
         if isinstance(result, TideReduceResult):
             if fsdp_internals.REDUCE_RETURNS_STREAM:
                 return tuple(result)
