@@ -2,7 +2,7 @@
 simulator's compute input, ``python -m torchtitan_tide.simulate --trace``).
 
 The model, shapes, loss and data are bench_floor's (the trainer's, per-GPU work of a
-``--world-size``-rank step, no communication). Each FSDP group of the memory planner's
+``--world-size``-rank step, no communication). Each FSDP group of the FSDP group model's
 grouping (``torchtitan_tide.fsdp_groups.fsdp_group_modules``: the groups FSDP2 would wrap) gets
 timing marks: forward from the group's first module's pre-hook to its last module's
 forward hook; backward from the gradient hook of the group's output (its backward
