@@ -31,7 +31,7 @@ from .fsdp_internals import fsdp_param_groups
 from .memory_plan import slot_sizes
 from .options import TideOptions
 from .plan import ParamSpec, WorldLayout, build_group_plan
-from .reduce_scatter import RSBuffers, TideRSState
+from .reduce_scatter import WIRE_DTYPES, RSBuffers, TideRSState, wire_label
 from .setup_steps import SetupSteps
 from .transport import (
     AllGatherTransport,
@@ -389,6 +389,9 @@ def _mark_groups(
         # Several FSDP roots have one reduce-scatter stream each; staging shared by
         # the groups of a process group is only safe on one stream: TIDE's.
         on_tide_stream = shared or (multi_root and c.device.type == "cuda")
+        rs_buffers = buffers_by_key.setdefault(
+            key, RSBuffers(options.rs_inflight, WIRE_DTYPES[options.rs_wire_dtype])
+        )
         fsdp_patch.mark(
             c.pg,
             ag_state,
@@ -398,7 +401,7 @@ def _mark_groups(
                 group=c.group,
                 fqn=c.fqn,
                 transport=rs_transport,
-                buffers=buffers_by_key.setdefault(key, RSBuffers(inflight=options.rs_inflight)),
+                buffers=rs_buffers,
                 rows=options.rs_rows,
                 ctas=options.rs_ctas,
                 use_tide_stream=on_tide_stream,
@@ -407,7 +410,8 @@ def _mark_groups(
         )
         cross = (
             f"; cross-node p2p over {str(dist.get_backend(c.group)).lower()}, "
-            f"{options.rs_inflight} partials in flight"
+            f"{options.rs_inflight} partials in flight, "
+            f"{wire_label(rs_buffers.wire_dtype)}"
             if layout.num_nodes > 1
             else ""
         )
