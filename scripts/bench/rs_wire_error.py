@@ -283,8 +283,11 @@ def _charts(results: dict) -> list[common.BarChart]:
             for mode in MODES:
                 e = res["errors"].get(f"{distribution}|{mode}")
                 labels.append(f"{layout} {mode}")
-                values.append(math.log10(e["rms_rel"]) if e and e["rms_rel"] > 0 else None)
-        charts.append(common.BarChart(distribution, labels, values, "log10 RMS rel error"))
+                rms = e["rms_rel_layer"] if e else 0.0
+                values.append(-math.log10(rms) if rms > 0 else None)
+        charts.append(
+            common.BarChart(distribution, labels, values, "-log10 RMS rel error (layer): digits")
+        )
     return charts
 
 
