@@ -587,6 +587,10 @@ def _wire_worker(rank: int, world: int, lws: int, param_dtype) -> None:
     first = [m for m in records if "first reduce" in m]
     assert any("cross-node wire bf16" in m for m in first), first
     assert any("cross-node wire fp32" in m for m in first), first
+    if rank == 0:  # the install decision lines (rank 0 logs them all)
+        decisions = [m for m in records if m.startswith("TIDE group") and "TIDE-RS" in m]
+        for wire in ("bf16", "fp32"):
+            assert any(f"cross-node wire {wire}" in m for m in decisions), decisions
     for model in models.values():
         comm.remove(model)
     tide_rs.set_poison(None)
