@@ -502,6 +502,11 @@ def test_round_to_wire_rounds_once_to_nearest_even():
     assert round_to_wire(partial, RSBuffers(inflight=1)) is partial  # fp32 wire: as it is
     again = round_to_wire(partial[:10] * 2, buffers)  # the same send buffer, reused
     assert again.data_ptr() == buffers.send.data_ptr() and again.numel() == 10
+    # The torch-free itemsizes (simulator) match the dtypes the option selects.
+    from torchtitan_tide.comm.options import RS_WIRE_ITEMSIZE
+    from torchtitan_tide.comm.reduce_scatter import WIRE_DTYPES
+
+    assert {k: v.itemsize for k, v in WIRE_DTYPES.items()} == RS_WIRE_ITEMSIZE
 
 
 def _node_partials(

@@ -13,14 +13,17 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 __all__ = [
-    "REDUCE_SCATTERS", "RS_WIRE_DTYPES", "SLOT_BARRIERS", "TOML_KEYS", "TRANSPORTS",
+    "REDUCE_SCATTERS", "RS_WIRE_DTYPES", "RS_WIRE_ITEMSIZE", "SLOT_BARRIERS", "TOML_KEYS", "TRANSPORTS",
     "TideOptionError", "TideOptions", "option_label", "toml_key", "validate_options",
 ]  # fmt: skip
 
 TRANSPORTS = ("auto", "copy_engine", "nccl_p2p", "gloo")
 REDUCE_SCATTERS = ("tide", "fsdp2")
 SLOT_BARRIERS = ("copy_engine", "kernel")
-RS_WIRE_DTYPES = ("float32", "bfloat16")
+# [tide] rs_wire_dtype -> bytes per element on TIDE-RS's cross-node wire (torch-free:
+# the simulator reads it).
+RS_WIRE_ITEMSIZE = {"float32": 4, "bfloat16": 2}
+RS_WIRE_DTYPES = tuple(RS_WIRE_ITEMSIZE)
 # The [tide] TOML key of a TideOptions field, where the two names differ.
 TOML_KEYS = {"transport": "ag_transport", "pacing": "ag_pacing"}
 
