@@ -29,7 +29,7 @@ parameters and trials):
 
 Bytes on the cross-node wire per rank per reduce (TIDE-RS phase 2), from the plan:
 ``(N - 1) x shard numel x itemsize``, checked against the transport's counter
-(``TideRSState.wire_bytes_sent``); also the formula for full-size Llama-3.1-70B layers.
+(``RSBuffers.sent_bytes``); also the formula for full-size Llama-3.1-70B layers.
 Outputs ``<date>_cpu_<commit>_rs_wire_error.{json,md,png}`` (``common.result_stem``).
 """
 
@@ -141,13 +141,13 @@ def _layout_worker(rank: int, world: int, lws: int, trials: int, out: dict) -> N
                 ref[name] = _shard(total / world, rank, world)
                 mag[name] = _shard(absolute / world, rank, world)
             for mode, (model, group) in models.items():
-                before = states[mode].wire_bytes_sent if mode in states else 0
+                before = states[mode].buffers.sent_bytes if mode in states else 0
                 model.unshard()
                 for fp in group.fsdp_params:
                     fp.unsharded_param.grad = grads[harness.param_name(fp)].clone()
                 harness.reduce_scatter(group)
                 if mode in states:
-                    sent[mode].append(states[mode].wire_bytes_sent - before)
+                    sent[mode].append(states[mode].buffers.sent_bytes - before)
                 worst = stats.setdefault((distribution, mode), {})
                 for fp in group.fsdp_params:
                     name = harness.param_name(fp)

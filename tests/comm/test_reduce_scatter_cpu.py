@@ -509,6 +509,29 @@ def test_round_to_wire_rounds_once_to_nearest_even():
     assert {k: v.itemsize for k, v in WIRE_DTYPES.items()} == RS_WIRE_ITEMSIZE
 
 
+def test_one_sided_wire_slot_is_window_memory_no_peer_writes():
+    """The bf16 send buffer of the one-sided phase 2 is a view of the registered window
+    (puts read registered memory), disjoint from the fp32 partial ring and from every
+    receive region a peer puts into, and holds the largest partial in bf16."""
+    from types import SimpleNamespace
+
+    from torchtitan_tide.comm.transport.one_sided import OneSidedCrossNode, rs_window_bytes
+
+    nodes, inflight, shard_bytes = 4, 2, 1000 * 4
+    buf = torch.zeros(rs_window_bytes(nodes, inflight, shard_bytes), dtype=torch.uint8)
+    window = SimpleNamespace(tensor=buf, ptr=buf.data_ptr(), nbytes=buf.numel())
+    rs = OneSidedCrossNode(None, window, nodes, inflight, shard_bytes, "g")
+    wire = rs.wire_slot(torch.bfloat16)
+    start = wire.data_ptr() - buf.data_ptr()
+    used = {(0, inflight * rs.region_bytes)}  # the partial ring
+    used |= {(rs._recv_offset(p, s), rs._recv_offset(p, s) + rs.region_bytes)
+             for p in (0, 1) for s in range(1, nodes)}  # fmt: skip
+    end = start + wire.numel() * 2
+    assert wire.dtype == torch.bfloat16 and wire.numel() >= shard_bytes // 4
+    assert 0 <= start and end <= buf.numel()
+    assert all(end <= lo or hi <= start for lo, hi in used), (start, end, sorted(used))
+
+
 def _node_partials(
     mine: dict[str, torch.Tensor], world: int, lws: int
 ) -> dict[str, list[torch.Tensor]]:
@@ -556,11 +579,11 @@ def _wire_worker(rank: int, world: int, lws: int, param_dtype) -> None:
             for name, fp in _named_fsdp_params(models["float32"])
             if name in mine
         )
-        sent_before = {wire: s.wire_bytes_sent for wire, s in states.items()}
+        sent_before = {wire: s.buffers.sent_bytes for wire, s in states.items()}
         for model in models.values():
             _reduce(model, mine)
         for wire, itemsize in (("float32", 4), ("bfloat16", 2)):
-            sent = states[wire].wire_bytes_sent - sent_before[wire]
+            sent = states[wire].buffers.sent_bytes - sent_before[wire]
             assert sent == (nodes - 1) * shard_numel * itemsize, (wire, sent, shard_numel)
         _add_reference(mine, world, total, magnitude)
         for name, parts in _node_partials(mine, world, lws).items():
@@ -590,12 +613,12 @@ def _wire_worker(rank: int, world: int, lws: int, param_dtype) -> None:
         assert differs > 0, "bf16 wire gave the fp32-wire result bitwise: no rounding ran"
     assert all(s.calls == 2 for s in states.values())
     first = [m for m in records if "first reduce" in m]
-    assert any("cross-node wire bf16" in m for m in first), first
-    assert any("cross-node wire fp32" in m for m in first), first
+    for wire in ("bf16", "fp32"):
+        assert any(f"cross-node p2p, wire {wire}" in m for m in first), first
     if rank == 0:  # the install decision lines (rank 0 logs them all)
         decisions = [m for m in records if m.startswith("TIDE group") and "TIDE-RS" in m]
         for wire in ("bf16", "fp32"):
-            assert any(f"cross-node wire {wire}" in m for m in decisions), decisions
+            assert any(f"partials in flight, wire {wire}" in m for m in decisions), decisions
     for model in models.values():
         comm.remove(model)
     tide_rs.set_poison(None)

@@ -109,6 +109,7 @@ class RSBuffers:
     send: torch.Tensor | None = None
     recv: torch.Tensor | None = None
     next_partial: int = 0
+    sent_bytes: int = 0  # phase-2 bytes this rank posted to other nodes (benchmarks read it)
 
     def take_partial(self, numel: int, device: torch.device) -> tuple[int, torch.Tensor]:
         """The next ring slot and an fp32 view of ``numel`` elements; on CUDA the
@@ -174,6 +175,9 @@ class TideRSState:
     use_tide_stream: bool
     # The group's FSDP2 reduce-scatter comm object at install (see TideGroupState).
     fsdp_comm: object = None
+    # Phase 2 over NCCL one-sided puts (``transport.one_sided.OneSidedCrossNode``, shared
+    # by the process group's FSDP groups); None: point-to-point send/recv.
+    cross_node: object = None
     calls: int = 0
     stock_reasons: set[str] = field(default_factory=set)
     # HSDP: the pending partial sum of microbatches without all-reduce is TIDE-RS's.
@@ -181,8 +185,6 @@ class TideRSState:
     # The RS plan, built on the first reduce of each shape and reused (pure functions
     # of layout, rank, rows and the gradients' numels; host time on every backward).
     plans: dict[tuple, tuple] = field(default_factory=dict)
-    # Bytes this rank sent in phase 2 (host counter; benchmarks and tests read it).
-    wire_bytes_sent: int = 0
 
     def plan_for(self, numels: tuple[int, ...], shard_numels: tuple[int, ...], rows: int):
         """``(segments, shard_numel, rounds by chunk node)`` of one reduce."""
@@ -306,8 +308,8 @@ def rs_numerics_note(
 
 
 def wire_label(wire_dtype: torch.dtype) -> str:
-    """How logs name phase 2's wire dtype, e.g. "cross-node wire bf16"."""
-    return f"cross-node wire {_SHORT.get(wire_dtype, str(wire_dtype))}"
+    """How logs name phase 2's wire dtype, after its transport: "wire bf16"."""
+    return f"wire {_SHORT.get(wire_dtype, str(wire_dtype))}"
 
 
 def rows_per_round(state: TideRSState, shard_numel: int, itemsize: int) -> int:
@@ -379,15 +381,19 @@ def _cross_node_step(
         cross.wait_stream(torch.cuda.current_stream(device))
     with _stream_ctx(cross):
         send = round_to_wire(partial, state.buffers)
-        recv = state.buffers.take_recv(out.numel(), device)
-        peers = (global_rank(group, send_peer), global_rank(group, recv_peer))
-        ops = [
-            dist.P2POp(dist.isend, send, peers[0], group),
-            dist.P2POp(dist.irecv, recv, peers[1], group),
-        ]
-        state.wire_bytes_sent += send.numel() * send.element_size()
-        watchdog.wait_works(dist.batch_isend_irecv(ops), "TIDE-RS cross-node p2p", group, peers,
-                            device)  # fmt: skip
+        if state.cross_node is not None:  # one-sided: put into the owner's window
+            step = (chunk_node - layout.node_of(rank)) % layout.num_nodes
+            recv = state.cross_node.exchange(send, send_peer, recv_peer, step, group)
+        else:
+            recv = state.buffers.take_recv(out.numel(), device)
+            peers = (global_rank(group, send_peer), global_rank(group, recv_peer))
+            ops = [
+                dist.P2POp(dist.isend, send, peers[0], group),
+                dist.P2POp(dist.irecv, recv, peers[1], group),
+            ]
+            watchdog.wait_works(dist.batch_isend_irecv(ops), "TIDE-RS cross-node p2p", group,
+                                peers, device)  # fmt: skip
+        state.buffers.sent_bytes += send.numel() * send.element_size()
         if cross is not None:
             partial.record_stream(cross)  # allocated on the phase-1 stream
             state.buffers.partial_free[partial_slot] = cross.record_event()
@@ -449,9 +455,13 @@ def tide_reduce(
             "%s, accumulate: %s%s",
             state.fqn, len(grads), shard_numel, grads[0].dtype if grads else None,
             layout.shape, kernels.triton_status() if cuda else "torch",
-            f", {wire_label(state.buffers.wire_dtype)}" if num_nodes > 1 else "",
+            "" if num_nodes == 1 else
+            f", cross-node {'nccl_one_sided' if state.cross_node is not None else 'p2p'}, "
+            f"{wire_label(state.buffers.wire_dtype)}",
         )  # fmt: skip
     state.calls += 1
+    if num_nodes > 1 and state.cross_node is not None:
+        state.cross_node.begin_reduce()
 
     with _stream_ctx(comm):
         out = _poisoned(torch.empty(shard_numel, dtype=torch.float32, device=device))
