@@ -90,6 +90,7 @@ class RSBuffers:
     partial_free: list[torch.Event | None] = field(default_factory=list)
     recv: torch.Tensor | None = None
     next_partial: int = 0
+    sent_bytes: int = 0  # phase-2 bytes this rank posted to other nodes (benchmarks read it)
 
     def take_partial(self, numel: int, device: torch.device) -> tuple[int, torch.Tensor]:
         """The next ring slot and an fp32 view of ``numel`` elements; on CUDA the
@@ -347,6 +348,7 @@ def _cross_node_step(
             ]
             watchdog.wait_works(dist.batch_isend_irecv(ops), "TIDE-RS cross-node p2p", group,
                                 peers, device)  # fmt: skip
+        state.buffers.sent_bytes += partial.numel() * partial.element_size()
         if cross is not None:
             partial.record_stream(cross)  # allocated on the phase-1 stream
             state.buffers.partial_free[partial_slot] = cross.record_event()
