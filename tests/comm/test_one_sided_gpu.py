@@ -246,6 +246,21 @@ def test_emulated_nodes_without_host_rma_fall_back_or_refuse():
     _spawn(_no_host_rma, "nodes")
 
 
+@needs_multi_rank_gpu
+def test_stopped_peer_inside_a_one_sided_wait_ends_the_job(tmp_path):
+    """Rank 1 stops before step 2: rank 0's one-sided waits (GPU stream waits, no host
+    block) pass their deadline and TIDE's watchdog ends rank 0 naming rank 1."""
+    from test_watchdog_gpu import _stalled_peer, check_survivor_ended_by_watchdog
+
+    options = {"local_world_size": 1, "cross_node_transport": "nccl_one_sided"}
+    ctx = mp.start_processes(
+        _entry,
+        args=(2, free_port(), "one_node", _stalled_peer, (options, str(tmp_path), 0)),
+        nprocs=2, join=False, start_method="spawn",
+    )  # fmt: skip
+    check_survivor_ended_by_watchdog(ctx, tmp_path)
+
+
 def _bf16_wire(rank: int, world_size: int) -> None:
     """[tide] rs_wire_dtype = "bfloat16" over the one-sided phase 2 (docs/2026-12-02-rs-wire.md).
     One rank per TIDE node with bf16 gradients: each partial is one bf16 gradient, so the

@@ -459,7 +459,7 @@ def _connect_one_sided(
                 f"{members[0].fqn}: cross-node p2p (option cross_node_transport='p2p')"
             )
         return out
-    steps = SetupSteps(install_seq, options.install_timeout_s)
+    steps: SetupSteps | None = None  # made on the first group that tries (a store client)
     for k, (key, members) in enumerate(by_key.items()):
         c, layout = members[0], members[0].layout
         assert layout is not None
@@ -479,6 +479,7 @@ def _connect_one_sided(
         made: list[nccl_rma.RmaComm] = []
         found: dict[str, tuple] = {}
         if failure is None:
+            steps = steps or SetupSteps(install_seq, options.install_timeout_s)
             peers = list(group_global_ranks(c.group))
             soft = _SoftSteps(steps, f"onesided{k}/{zlib.crc32(repr(peers).encode()):08x}", peers)
             ids = soft.exchange("one-sided unique ids", [

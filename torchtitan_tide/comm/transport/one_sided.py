@@ -90,6 +90,11 @@ class OneSidedAllGather:
         self.round = 0
         self.counters = _Counters()
 
+    @property
+    def sent_bytes(self) -> int:
+        """All-gather bytes this rank put to peers (as ``P2PTransport.sent_bytes``)."""
+        return self.counters.put_bytes
+
     def gather(
         self,
         plan: GroupPlan,
