@@ -44,7 +44,7 @@ import torch.distributed as dist
 from .. import streams, watchdog
 from ..plan import GroupPlan
 from . import global_rank
-from .copy_engine import _runs, _try_batch
+from .copy_engine import _runs, _try_batch, pack_own_shards
 from .nccl_rma import RmaComm, RmaWindow
 
 __all__ = ["OneSidedAllGather", "OneSidedCrossNode", "ag_window_bytes", "rs_window_bytes"]
@@ -102,32 +102,20 @@ class OneSidedAllGather:
         outputs: list[torch.Tensor],
         group: dist.ProcessGroup,
     ) -> dist.Work | None:
-        layout, rank = plan.layout, plan.rank
+        layout = plan.layout
         if layout.local_world_size != 1:
             raise AssertionError("the one-sided all-gather needs one rank per node")
-        node, num_nodes = layout.node_of(rank), layout.num_nodes
+        num_nodes = layout.num_nodes
         base = (self.round % 2) * self.half_bytes
         self.round += 1
-        nbytes = [p.shard_numel * o.element_size() for p, o in zip(plan.params, outputs)]
-        param_offs, entry_bytes = [], 0
-        for n in nbytes:
-            param_offs.append(entry_bytes)
-            entry_bytes += (n + 15) // 16 * 16
-        if num_nodes * entry_bytes > self.half_bytes:
-            raise AssertionError(
-                f"TIDE one-sided window too small: {num_nodes} x {entry_bytes} > {self.half_bytes}"
-            )
         buf = self.window.tensor
+        # 1. pack: cast once into this rank's entry (the current stream: TIDE's).
+        packing = pack_own_shards(buf, base, self.half_bytes, plan, inputs, outputs)
+        nbytes, param_offs, entry_bytes = packing.nbytes, packing.offsets, packing.entry_bytes
 
         def entry(m: int) -> int:
             return base + m * entry_bytes
 
-        # 1. pack: cast once into this rank's entry (the current stream: TIDE's).
-        packed = [
-            buf.narrow(0, entry(node) + off, n).view(o.dtype)
-            for off, n, o in zip(param_offs, nbytes, outputs)
-        ]
-        torch._foreach_copy_(packed, inputs)
         # 2. the plan's exchanges as puts of whole entries (runs) into the peers' windows.
         streams.run_beside(
             streams.stream("tide_one_sided", buf.device),
