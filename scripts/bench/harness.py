@@ -396,8 +396,8 @@ def build_fsdp_layer(
     """``spec`` as one FSDP module / group: fp32 master parameters, bf16 param dtype,
     ``reduce_dtype`` (fp32 unless given). ``before_init(module)`` runs after
     ``fully_shard`` and before FSDP's lazy init, where training applies the comm
-    mode; then the module is lazily
-    initialized as the root (FSDP's streams exist without a forward). On gloo the
+    mode; then the module is lazily initialized as the root (FSDP's streams exist
+    without a forward). On gloo the
     reduction is forced to SUM + divide (gloo has no AVG). Returns (module, its
     FSDPParamGroup)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
