@@ -91,6 +91,13 @@ class Tide:
     rs_inflight: int = _DEFAULT.rs_inflight
     """TIDE-RS cross-node phase: fp32 partials allowed to wait for the network at once."""
 
+    rs_wire_dtype: str = _DEFAULT.rs_wire_dtype
+    """TIDE-RS cross-node phase: dtype of the partials on the wire. "float32" (default):
+    exact fp32 partials. "bfloat16": each node's fp32 partial is rounded once to bf16 before
+    it is sent (half the cross-node bytes), the owner accumulates in fp32; costs one bf16
+    rounding (relative 2^-8) per other node's partial, also with fp32 gradients (measured
+    in docs/2026-12-02-rs-wire.md). No effect on one node."""
+
     slot_reuse: bool = _DEFAULT.slot_reuse
     """Copy engine: TIDE-RS stages gradients in TIDE-AG's symmetric slots instead of a
     buffer of its own."""

@@ -259,3 +259,56 @@ def test_stopped_peer_inside_a_one_sided_wait_ends_the_job(tmp_path):
         nprocs=2, join=False, start_method="spawn",
     )  # fmt: skip
     check_survivor_ended_by_watchdog(ctx, tmp_path)
+
+
+def _bf16_wire(rank: int, world_size: int) -> None:
+    """[tide] rs_wire_dtype = "bfloat16" over the one-sided phase 2 (docs/2026-12-02-rs-wire.md).
+    One rank per TIDE node with bf16 gradients: each partial is one bf16 gradient, so the
+    rounding is exact and every gradient equals the fp32 wire's bitwise, at half the put
+    bytes; the rounded partial is put from the window (``wire_slot``)."""
+    import torch.nn.functional as F
+
+    from torchtitan_tide import comm
+    from torchtitan_tide.comm import fsdp_patch
+    from torchtitan_tide.comm import reduce_scatter as tide_rs
+
+    device = torch.device("cuda", 0)
+    tide_rs.set_poison(float("nan"))
+    grads: dict[str, list[torch.Tensor]] = {}
+    put_bytes: dict[str, int] = {}
+    try:
+        for wire in ("float32", "bfloat16"):
+            model = build(Scenario(bf16=True), device)
+            comm.apply(model, "tide", local_world_size=1, cross_node_transport="nccl_one_sided",
+                       rs_wire_dtype=wire)  # fmt: skip
+            states = [g._tide_rs_state for _, g in fsdp_patch.fsdp_param_groups(model)]
+            assert all(s.cross_node is not None for s in states), "phase 2 is not one-sided"
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+            gen = torch.Generator().manual_seed(11 + rank)
+            grads[wire] = []
+            for _ in range(2):
+                ((x, y),) = _batches(gen, device, 1)
+                F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).backward()
+                grads[wire] += [p.grad.to_local().clone() for p in model.parameters()]
+                opt.step()
+                opt.zero_grad()
+            torch.cuda.synchronize()
+            sides = {id(s.cross_node): s.cross_node for s in states}.values()
+            put_bytes[wire] = sum(s.counters.put_bytes for s in sides)
+            if wire == "bfloat16":
+                for s in states:
+                    send, window = s.buffers.send, s.cross_node.window
+                    assert send is not None and send.dtype == torch.bfloat16
+                    assert window.ptr <= send.data_ptr() < window.ptr + window.nbytes
+            comm.remove(model)
+    finally:
+        tide_rs.set_poison(None)
+    for a, b in zip(grads["float32"], grads["bfloat16"], strict=True):
+        assert not torch.isnan(b).any(), "unwritten gradient"
+        assert torch.equal(a, b), "bf16 wire changed partials that are bf16 already"
+    assert put_bytes["float32"] > 0 and put_bytes["bfloat16"] * 2 == put_bytes["float32"], put_bytes
+
+
+@needs_multi_rank_gpu
+def test_one_sided_bf16_wire_exact_at_one_rank_per_node_half_bytes():
+    _spawn(_bf16_wire, "one_node")

@@ -31,7 +31,7 @@ from .fsdp_internals import fsdp_param_groups
 from .memory_plan import slot_sizes
 from .options import TideOptions
 from .plan import ParamSpec, WorldLayout, build_group_plan
-from .reduce_scatter import RSBuffers, TideRSState
+from .reduce_scatter import WIRE_DTYPES, RSBuffers, TideRSState, wire_label
 from .setup_steps import SetupSteps
 from .transport import (
     AllGatherTransport,
@@ -562,11 +562,15 @@ def _mark_groups(
             else p2p_by_key[key] if c.kind != "copy_engine"
             else transport
         )  # fmt: skip
-        buffers = buffers_by_key.setdefault(key, RSBuffers(inflight=options.rs_inflight))
+        buffers = buffers_by_key.setdefault(
+            key, RSBuffers(options.rs_inflight, WIRE_DTYPES[options.rs_wire_dtype])
+        )
         if sided.rs is not None and not buffers.partials:
             # the partial ring lives in the registered window: puts read it in place
             buffers.partials = sided.rs.send_slots(sided.rs.region_bytes // 4)
             buffers.partial_free = [None] * len(buffers.partials)
+            if buffers.wire_dtype != torch.float32:  # partials rounded for the wire: put too
+                buffers.send = sided.rs.wire_slot(buffers.wire_dtype)
         layout = c.plan.layout
         # Several FSDP roots have one reduce-scatter stream each; staging shared by
         # the groups of a process group is only safe on one stream: TIDE's.
@@ -588,12 +592,13 @@ def _mark_groups(
                 cross_node=sided.rs,
             ),
         )
+        wire = wire_label(buffers.wire_dtype)
         cross = (
             "" if layout.num_nodes == 1
-            else f"; cross-node nccl_one_sided, {options.rs_inflight} partials in flight"
+            else f"; cross-node nccl_one_sided, {options.rs_inflight} partials in flight, {wire}"
             if sided.rs is not None
             else f"; cross-node p2p over {str(dist.get_backend(c.group)).lower()}, "
-            f"{options.rs_inflight} partials in flight"
+            f"{options.rs_inflight} partials in flight, {wire}"
         )  # fmt: skip
         accumulate = (
             f"{kernels.triton_status()}, {options.rs_ctas} CTAs"

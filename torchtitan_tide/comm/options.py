@@ -13,15 +13,19 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 __all__ = [
-    "CROSS_NODE_TRANSPORTS", "REDUCE_SCATTERS", "SLOT_BARRIERS", "TOML_KEYS", "TRANSPORTS",
-    "TideOptionError",
-    "TideOptions", "option_label", "toml_key", "validate_options",
+    "CROSS_NODE_TRANSPORTS", "REDUCE_SCATTERS", "RS_WIRE_DTYPES", "RS_WIRE_ITEMSIZE",
+    "SLOT_BARRIERS", "TOML_KEYS", "TRANSPORTS", "TideOptionError", "TideOptions",
+    "option_label", "toml_key", "validate_options",
 ]  # fmt: skip
 
 TRANSPORTS = ("auto", "copy_engine", "nccl_p2p", "gloo")
 CROSS_NODE_TRANSPORTS = ("auto", "p2p", "nccl_one_sided")
 REDUCE_SCATTERS = ("tide", "fsdp2")
 SLOT_BARRIERS = ("copy_engine", "kernel")
+# [tide] rs_wire_dtype -> bytes per element on TIDE-RS's cross-node wire (torch-free:
+# the simulator reads it).
+RS_WIRE_ITEMSIZE = {"float32": 4, "bfloat16": 2}
+RS_WIRE_DTYPES = tuple(RS_WIRE_ITEMSIZE)
 # The [tide] TOML key of a TideOptions field, where the two names differ.
 TOML_KEYS = {"transport": "ag_transport", "pacing": "ag_pacing"}
 
@@ -96,6 +100,14 @@ class TideOptions:
         Cross-node phase: fp32 partials that may wait for the network at once
         (a ring of buffers). The node-local phase of the next chunk or group
         waits only when all of them are still in flight.
+    rs_wire_dtype:
+        Cross-node phase: the dtype of the partials on the wire. ``"float32"``:
+        the fp32 partials as they are. ``"bfloat16"``: each node's fp32 partial
+        is rounded once (round to nearest even) to bf16 before it is sent, half
+        the bytes; the owner still accumulates in fp32. The error is one bf16
+        rounding (relative 2**-8) of every other node's partial
+        (docs/2026-12-02-rs-wire.md). fp32 gradients are rounded too. The
+        node-local phase is unchanged (it moves the gradients in their dtype).
     slot_reuse:
         Copy engine only: TIDE-RS stages gradients in the same symmetric slots
         as TIDE-AG (one buffer, one protocol on one stream) instead of a
@@ -117,6 +129,7 @@ class TideOptions:
     rs_ctas: int = 0
     rs_rows: int = 2
     rs_inflight: int = 2
+    rs_wire_dtype: str = "float32"
     slot_reuse: bool = True
     slot_barrier: str = "copy_engine"
     install_timeout_s: int = 120
@@ -172,6 +185,9 @@ def validate_options(options: TideOptions) -> None:
     _integer(options, "rs_ctas", 0)
     _integer(options, "rs_rows", 1)
     _integer(options, "rs_inflight", 1)
+    _choice(options, "rs_wire_dtype", RS_WIRE_DTYPES,
+            "; 'bfloat16' halves TIDE-RS's cross-node bytes at one bf16 rounding of each "
+            "node's partial (docs/2026-12-02-rs-wire.md)")  # fmt: skip
     if not isinstance(options.slot_reuse, bool):
         raise TideOptionError(
             f"{option_label('slot_reuse')} = {options.slot_reuse!r} is not a boolean; "

@@ -24,6 +24,9 @@ parities x ``num_nodes`` receive regions. Step ``s`` of a reduce puts into regio
 ``(parity, s)`` of node ``n + s``'s rank. A sender reaches the same region again two
 reduces later, after waiting for this rank's partial of the reduce in between, which this
 rank put after accumulating the region (every pair of nodes exchanges in every reduce).
+With ``[tide] rs_wire_dtype`` narrower than fp32 the partial is rounded into
+:meth:`OneSidedCrossNode.wire_slot` (region ``(0, 0)``: step 0 is the own node, no peer
+puts there) and put from it; the next rounding into it follows the put on the stream.
 
 Streams: the puts and waits of TIDE-AG run on the ``tide_one_sided`` stream, those of
 TIDE-RS on ``tide_one_sided_rs`` (``streams.run_beside``: in order with the caller's
@@ -202,6 +205,13 @@ class OneSidedCrossNode:
             )
             for k in range(self.inflight)
         ]
+
+    def wire_slot(self, dtype: torch.dtype) -> torch.Tensor:
+        """A ``dtype`` view of the window for ``RSBuffers.send``: partials rounded to a
+        narrower wire dtype are put from registered memory too. It is the receive region
+        of parity 0, step 0, which no peer writes (step 0 is this rank's own node)."""
+        offset = self._recv_offset(0, 0)
+        return self.window.tensor.narrow(0, offset, self.region_bytes).view(dtype)
 
     def begin_reduce(self) -> None:
         """Called once per TIDE-RS reduce that has a cross-node phase (the parity)."""
