@@ -1,5 +1,5 @@
 """Per-FSDP-group forward/backward durations of a step config on ONE device (the
-simulator's compute input, ``python -m torchtitan_tide.simulate --trace``).
+simulator's compute input, ``python -m torchtitan_tide.simulator --trace``).
 
 The model, shapes, loss and data are bench_floor's (the trainer's, per-GPU work of a
 ``--world-size``-rank step, no communication). Each FSDP group of the memory planner's
