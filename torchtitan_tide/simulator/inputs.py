@@ -350,16 +350,26 @@ def _any_trace(results_dir: Path) -> Path:
     raise SimulateError(f"no *_trace_*.json under {results_dir}: run scripts/bench/bench_trace.py")
 
 
-def world1_step_file(results_dir: Path, config: str) -> Path | None:
-    """The newest committed ``bench_step`` result of ``config`` run at world 1 with a
-    profiled step breakdown (``bd_*`` columns of its ``fsdp2`` row), if any."""
+def breakdown_step_file(results_dir: Path, config: str, world: int) -> Path | None:
+    """The newest committed ``bench_step`` result of ``config`` run at ``world`` ranks
+    with a profiled step breakdown (``bd_*`` columns of its ``fsdp2`` row), if any."""
     found = []
     for path in results_dir.glob(f"*_step_{config}.json"):
         data = json.loads(path.read_text())
         row = next((r for r in data.get("rows", []) if r.get("mode") == "fsdp2"), {})
-        if data.get("metadata", {}).get("world_size") == 1 and row.get("bd_step_ms"):
+        if data.get("metadata", {}).get("world_size") == world and row.get("bd_step_ms"):
             found.append((data["metadata"].get("date", ""), path.name, path))
     return max(found)[2] if found else None
+
+
+def _breakdown(path: Path) -> dict[str, float]:
+    row = next(r for r in json.loads(path.read_text())["rows"] if r["mode"] == "fsdp2")
+    return {
+        "step_ms": row["best_step_ms"],
+        "compute_ms": row["bd_compute_ms"],
+        "optimizer_ms": row["bd_optimizer_ms"],
+        "host_ms": row["bd_host_bound_ms"] + row["bd_other_idle_ms"],
+    }
 
 
 def world1_step(results_dir: Path, config: str) -> tuple[dict[str, float] | None, str]:
@@ -367,32 +377,27 @@ def world1_step(results_dir: Path, config: str) -> tuple[dict[str, float] | None
     ``optimizer_ms``, ``host_ms`` (host-bound + other idle of the profiled step), and
     ``step_ms_log_freq_10`` where recorded; from a committed world-1 ``bench_step``
     result, else the recorded issue-21 figures; (None, why) when neither exists."""
-    if path := world1_step_file(results_dir, config):
-        data = json.loads(path.read_text())
-        row = next(r for r in data["rows"] if r["mode"] == "fsdp2")
-        figures = {
-            "step_ms": row["best_step_ms"],
-            "compute_ms": row["bd_compute_ms"],
-            "optimizer_ms": row["bd_optimizer_ms"],
-            "host_ms": row["bd_host_bound_ms"] + row["bd_other_idle_ms"],
-        }
-        return figures, f"{path.name} (world 1, fsdp2 row, profiled step breakdown)"
+    if path := breakdown_step_file(results_dir, config, 1):
+        return _breakdown(path), f"{path.name} (world 1, fsdp2 row, profiled step breakdown)"
     if config in WORLD1_RECORDED:
         return dict(WORLD1_RECORDED[config]), WORLD1_RECORDED_SOURCE
     return None, (
-        f"no one-GPU trainer breakdown of {config}: run scripts/gpu/check.sh stage step at "
-        "world 1 (docs/2026-12-02-simulator.md)"
+        f"no one-GPU trainer breakdown of {config}: scripts/gpu/check.sh stage world1 "
+        "(docs/2026-12-02-simulator.md)"
     )
 
 
 def host_ms(
     table: Mapping[str, Any], trace_config: str, results_dir: Path = RESULTS
 ) -> tuple[float, str]:
-    """Per-step trainer time outside fwd+bwd and the optimizer: the one-GPU trainer step's
-    host-bound + other idle (:func:`world1_step`); a config logging every N > 1 steps
-    saves the per-step loss read where it was measured (the one-GPU step at log_freq 1
-    minus at log_freq 10). 0 where no breakdown exists (said in the source)."""
+    """Per-step trainer time outside fwd+bwd and the optimizer: host-bound + other idle
+    of the one-GPU trainer step (:func:`world1_step`), else of the profiled 2-GPU fsdp2
+    step of the same config; a config logging every N > 1 steps saves the per-step loss
+    read where it was measured (the one-GPU step at log_freq 1 minus at log_freq 10). 0
+    where no breakdown exists (said in the source)."""
     measured, source = world1_step(results_dir, trace_config) if trace_config else (None, "")
+    if not measured and trace_config and (two := breakdown_step_file(results_dir, trace_config, 2)):
+        measured, source = _breakdown(two), f"{two.name} (world 2, fsdp2 row, profiled step breakdown)"
     if not measured:
         return 0.0, f"not measured: 0 ({source or 'no one-GPU breakdown of this model'})"
     freq = int(table.get("metrics", {}).get("log_freq", 10))
