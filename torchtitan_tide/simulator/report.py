@@ -188,8 +188,9 @@ def baseline_rows(results_dir: Path, cluster: Cluster, gpus: int = 64) -> list[d
 
 
 def sensitivity_rows(results_dir: Path, cluster: Cluster) -> list[dict[str, Any]]:
-    """Llama-3.1-70B and Qwen3-30B-A3B at 64 GPUs: NIC Gb/s per GPU, GPUs per node and
-    the NCCL generation."""
+    """Llama-3.1-70B and Qwen3-30B-A3B at 64 GPUs: NIC Gb/s per GPU, GPUs per node, the
+    NCCL generation, and collectives not slowed by compute (what the measured factor,
+    taken at 2 GPUs over NVLink, contributes at 64)."""
     from torchtitan_tide.plan import load_config_model
 
     rows = []
@@ -201,8 +202,12 @@ def sensitivity_rows(results_dir: Path, cluster: Cluster) -> list[dict[str, Any]
     for config in ("llama70b_fsdp2", "qwen3_30b_a3b_fsdp2"):
         cm = load_config_model(config)
         inp = build_inputs(cm, results_dir, None, 0.4)
-        for knob, value, variant in variants:
-            sim = simulate_config(config, 64, MODES, variant, results_dir, cm=cm, inputs=inp)
+        unslowed = replace(inp, comm_slowdown={})
+        for knob, value, variant, ins in [
+            *((k, v, c, inp) for k, v, c in variants),
+            ("comm slowed by compute", "off (not applied)", cluster, unslowed),
+        ]:
+            sim = simulate_config(config, 64, MODES, variant, results_dir, cm=cm, inputs=ins)
             rows += [{"model": model_of(config), "knob": knob, "value": value, **r} for r in sim["rows"]]
     return rows
 

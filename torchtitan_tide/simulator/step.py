@@ -21,9 +21,12 @@ Both directions of interference, by transport and as measured (inputs.interferen
 compute slows beside each mode's all-gather / reduce-scatter and beside NCCL
 point-to-point cross-node phases (fsdp2's all-gather figure: NCCL data-movement
 kernels); collectives slow beside compute. TIDE-RS's accumulate kernels hold SMs (kind
-``sm``): compute loses their share while they run. Zero-SM cross-node transports (the
-one-sided option; symm_mem's hierarchical all-gather through NCCL's RMA proxy) neither
-slow compute nor are modeled as slowed: not measured.
+``sm``): compute loses their share while they run. Zero-SM cross-node phases (kind
+``net0``: the one-sided option) slow no compute and are slowed by compute as the one
+measured zero-SM transport, TIDE-AG's copy engine, is. symm_mem's hierarchical
+collectives (NCCL >= 2.30.7) run their two phases pipelined inside one collective: the
+longer phase (an upper bound on the baseline), with symm_mem's measured figures (its
+all-gather: the zero-CTA copy engine); TIDE-AG's phases run back to back, as the code does.
 """
 
 from __future__ import annotations
@@ -140,7 +143,8 @@ class ModeFigures:
 def mode_figures(inputs: Inputs, mode: str, cluster: Cluster) -> ModeFigures:
     """The figures of ``mode`` on ``cluster``. NCCL point-to-point cross-node phases
     (kind ``net``) take fsdp2's all-gather figures in both directions (NCCL data-movement
-    kernels). symm_mem on NCCL >= 2.30.7 (``cluster.hierarchical_rs``): the optimized
+    kernels); zero-SM cross-node phases (kind ``net0``) slow no compute and are slowed
+    by compute as the one measured zero-SM transport is (TIDE-AG's copy engine). symm_mem on NCCL >= 2.30.7 (``cluster.hierarchical_rs``): the optimized
     symmetric reduce-scatter at the ring kernel's measured bandwidth with the better of
     the measured symmetric / ring interference (a modeled upper bound on the baseline:
     the release notes give no figures)."""
@@ -151,6 +155,7 @@ def mode_figures(inputs: Inputs, mode: str, cluster: Cluster) -> ModeFigures:
     stock_comm = inputs.comm_slowdown.get("fsdp2", {})
     gemm[NET] = stock_gemm.get("ag", 0.0)
     comm[NET] = stock_comm.get("ag", 0.0)
+    comm[NET_ZERO_SM] = inputs.comm_slowdown.get("tide", {}).get("ag", 0.0)  # copy engine
     note = ""
     if mode == "symm_mem" and cluster.hierarchical_rs:
         bw["rs"] = inputs.bandwidth_gibps["fsdp2"]["rs"]
@@ -180,12 +185,12 @@ def build_ops(
     comp = {g.name: inputs.compute.get(g.name, GroupCompute(0.0, 0.0)) for g in groups}
     zero_sm_net = NET_ZERO_SM if tide.cross_node == "one_sided" else NET
 
-    def add(name, stream, ms, kind, after=(), issued_with=(), group="", comm_kind=None):
+    def add(name, stream, ms, kind, after=(), issued_with=(), group=""):
         if stream == COMPUTE:
             slow = fig.gemm if kind == "compute" else {}
-        elif kind in ("ag", "rs", NET):
-            slow = {"compute": fig.comm.get(comm_kind or kind, 0.0)}
-        else:  # zero-SM transports and SM kernels: not measured as slowed
+        elif kind in ("ag", "rs", NET, NET_ZERO_SM):
+            slow = {"compute": fig.comm.get(kind, 0.0)}
+        else:  # the accumulate kernels: their SM share is charged to compute instead
             slow = {}
         share = inputs.accumulate_sm_share if kind == SM else 0.0
         ops.append(Op(name, stream, max(0.0, ms), kind, tuple(after), tuple(issued_with),
@@ -205,14 +210,15 @@ def build_ops(
         if not (mode in ("tide", "tide_ag") or symm_hier):
             ms = copy_in + stock_ms(b, lay, fig.bw["ag"], net)
             return add(name, "nccl", ms, "ag", issued_with=issued_with, group=g.name)
-        stream = "nccl" if mode == "symm_mem" else "ce"
         cross, local = hierarchical_ms(b, lay, fig.bw["ag"], net)
+        if symm_hier:  # NCCL's phases pipelined inside one collective (an upper bound)
+            return add(name, "nccl", copy_in + max(cross, local), "ag", issued_with=issued_with,
+                       group=g.name)  # fmt: skip
         if not cross:
-            return add(name, stream, copy_in + local, "ag", issued_with=issued_with, group=g.name)
-        net_kind = NET_ZERO_SM if symm_hier else zero_sm_net  # NCCL's RMA proxy: no SMs
-        add(f"{name}_net", stream, copy_in + cross, net_kind, issued_with=issued_with,
+            return add(name, "ce", copy_in + local, "ag", issued_with=issued_with, group=g.name)
+        add(f"{name}_net", "ce", copy_in + cross, zero_sm_net, issued_with=issued_with,
             group=g.name)  # fmt: skip
-        return add(name, stream, local, "ag", after=[f"{name}_net"], group=g.name)
+        return add(name, "ce", local, "ag", after=[f"{name}_net"], group=g.name)
 
     def consume(g: GroupShape, ag: str | None, tag: str) -> list[str]:
         """What ``g``'s compute waits for: its all-gather, then the copy-out on the
@@ -228,16 +234,15 @@ def build_ops(
 
     def reduce_stock(g: GroupShape, src: str) -> str:
         """NCCL's reduce-scatter on the communicator's stream: the ring, or symm_mem's
-        hierarchical symmetric kernel (node-local, then cross-node) on NCCL >= 2.30.7."""
+        hierarchical symmetric kernel on NCCL >= 2.30.7 (node-local and cross-node phases
+        pipelined inside the collective: the longer phase, an upper bound)."""
         s = group_shard_numel(g, lay.world)
         b = s * dtypes.reduce_bytes
         if not (mode == "symm_mem" and cluster.hierarchical_rs and lay.nodes > 1):
             return add(f"{g.name}.rs", "nccl", stock_ms(b, lay, fig.bw["rs"], net), "rs",
                        after=[src], group=g.name)  # fmt: skip
         cross, local = hierarchical_ms(b, lay, fig.bw["rs"], net)
-        add(f"{g.name}.rs", "nccl", local, "rs", after=[src], group=g.name)
-        return add(f"{g.name}.rs_net", "nccl", cross, NET, after=[f"{g.name}.rs"],
-                   group=g.name, comm_kind="rs")  # fmt: skip
+        return add(f"{g.name}.rs", "nccl", max(cross, local), "rs", after=[src], group=g.name)
 
     # forward: group i+1's all-gather is issued as group i's forward starts
     pending = {groups[0].name: gather(groups[0], "fwd", [])}
