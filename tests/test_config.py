@@ -53,8 +53,8 @@ def test_tide_options_forwarded_only_for_tide():
     tide = Tide(comm="tide", ag_transport="nccl_p2p", local_world_size=1, ag_pacing=4,
                 reduce_scatter="fsdp2", rs_ctas=8, slot_barrier="kernel")
     assert tide.comm_options() == {
-        "transport": "nccl_p2p", "local_world_size": 1, "pacing": 4, "reduce_scatter": "fsdp2",
-        "rs_ctas": 8, "rs_rows": 2, "rs_inflight": 2, "slot_reuse": True,
+        "transport": "nccl_p2p", "local_world_size": 1, "pacing": 4,
+        "cross_node_transport": "auto", "reduce_scatter": "fsdp2", "rs_ctas": 8, "rs_rows": 2, "rs_inflight": 2, "slot_reuse": True,
         "slot_barrier": "kernel", "install_timeout_s": 120,
     }
     assert tide.options_ignored_by_mode() == []

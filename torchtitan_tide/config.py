@@ -65,6 +65,14 @@ class Tide:
     """TIDE-AG cross-node pacing: the most point-to-point chunks in flight per
     recursive-doubling step. 0: no limit. Only read when comm = "tide"."""
 
+    cross_node_transport: str = _DEFAULT.cross_node_transport
+    """What moves TIDE's cross-node traffic (TIDE-AG of groups with one rank per node,
+    TIDE-RS phase 2). "auto": NCCL's one-sided puts (no send/recv kernel: copy engine in
+    reach of NVLink, NCCL's RMA proxy over IB/RoCE) where the loaded NCCL is >= 2.29 and
+    reports host RMA between the group's ranks, else point-to-point send/recv (the reason
+    is logged). "p2p": always send/recv. "nccl_one_sided": one-sided or a named error.
+    Only read when comm = "tide"."""
+
     reduce_scatter: str = _DEFAULT.reduce_scatter
     """Reduce-scatter under comm = "tide". "tide": TIDE-RS (bf16 gradients read in place,
     fp32 accumulation by a few-CTA kernel, cross-node phase over point-to-point).

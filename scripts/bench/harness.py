@@ -147,17 +147,19 @@ def _entry(
     args: tuple,
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    os.environ.update(dict(env))  # before the process group (and NCCL) exists
+    # before the process group (and NCCL) exists; "{rank}" in a value: this rank's number
+    os.environ.update({k: v.replace("{rank}", str(rank)) for k, v in env})
     os.environ.pop("LOCAL_WORLD_SIZE", None)
     timeout = datetime.timedelta(seconds=TIMEOUT_S)
-    if device_type == "cuda":
-        torch.cuda.set_device(rank)
+    if device_type in ("cuda", "cuda:0"):
+        gpu = 0 if device_type == "cuda:0" else rank  # "cuda:0": every rank on GPU 0
+        torch.cuda.set_device(gpu)
         dist.init_process_group(
             "nccl",
             rank=rank,
             world_size=world,
             timeout=timeout,
-            device_id=torch.device("cuda", rank),
+            device_id=torch.device("cuda", gpu),
         )
     else:
         torch.set_num_threads(1)
@@ -177,8 +179,9 @@ def spawn(
     env: tuple[tuple[str, str], ...] = (),
 ) -> None:
     """Run ``worker(rank, world, *args)`` in ``world`` spawned processes, each in a
-    process group of all of them (``"cuda"``: NCCL on GPU ``rank``; ``"cpu"``:
-    gloo) created after ``env`` is set. Raises when a process fails."""
+    process group of all of them (``"cuda"``: NCCL on GPU ``rank``; ``"cuda:0"``: NCCL,
+    every rank on GPU 0, for emulated nodes; ``"cpu"``: gloo) created after ``env`` is
+    set (``{rank}`` in a value is replaced by the rank). Raises when a process fails."""
     import torch.multiprocessing as mp
 
     mp.start_processes(

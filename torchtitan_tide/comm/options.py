@@ -13,11 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 __all__ = [
-    "REDUCE_SCATTERS", "SLOT_BARRIERS", "TOML_KEYS", "TRANSPORTS", "TideOptionError",
+    "CROSS_NODE_TRANSPORTS", "REDUCE_SCATTERS", "SLOT_BARRIERS", "TOML_KEYS", "TRANSPORTS",
+    "TideOptionError",
     "TideOptions", "option_label", "toml_key", "validate_options",
 ]  # fmt: skip
 
 TRANSPORTS = ("auto", "copy_engine", "nccl_p2p", "gloo")
+CROSS_NODE_TRANSPORTS = ("auto", "p2p", "nccl_one_sided")
 REDUCE_SCATTERS = ("tide", "fsdp2")
 SLOT_BARRIERS = ("copy_engine", "kernel")
 # The [tide] TOML key of a TideOptions field, where the two names differ.
@@ -67,6 +69,16 @@ class TideOptions:
         after wave ``i`` completes. ``0``: a whole step in one batch. It bounds
         the number of outstanding send/recv operations (and NCCL p2p
         channels/fifo slots) per step; it does not affect the copy engine.
+    cross_node_transport:
+        What moves TIDE's cross-node traffic (TIDE-AG of groups with one rank per node,
+        TIDE-RS phase 2). ``"auto"``: NCCL's one-sided puts (``ncclPutSignal`` into
+        registered windows: no send/recv kernel; copy engine within a node's reach,
+        NCCL's RMA proxy over IB/RoCE) where the loaded NCCL is >= 2.29 and reports host
+        RMA between every pair of the group's ranks; else point-to-point send/recv, with
+        the reason logged. ``"p2p"``: always send/recv. ``"nccl_one_sided"``: the one-sided
+        path or a named error at ``comm.apply``. Groups with several ranks per node keep
+        send/recv for their cross-node all-gather (their copy-engine slots are not NCCL
+        windows); their TIDE-RS phase 2 goes one-sided. Docs: docs/2026-12-02-one-sided.md.
     reduce_scatter:
         ``"tide"``: TIDE-RS (bf16 gradients read where autograd left them,
         reduced into fp32 shards; node-local phase on the AG transport, then
@@ -100,6 +112,7 @@ class TideOptions:
     transport: str = "auto"
     local_world_size: int | None = None
     pacing: int = 0
+    cross_node_transport: str = "auto"
     reduce_scatter: str = "tide"
     rs_ctas: int = 0
     rs_rows: int = 2
@@ -153,6 +166,8 @@ def validate_options(options: TideOptions) -> None:
         _integer(options, "local_world_size", 0,
                  " (0 or None: detect; else ranks per node, dividing every FSDP group)")  # fmt: skip
     _integer(options, "pacing", 0, " (0 = no limit)")
+    _choice(options, "cross_node_transport", CROSS_NODE_TRANSPORTS,
+            "; 'auto' takes NCCL's one-sided puts where the job's NCCL supports them")  # fmt: skip
     _choice(options, "reduce_scatter", REDUCE_SCATTERS, "; 'fsdp2' keeps FSDP2's reduce-scatter")
     _integer(options, "rs_ctas", 0)
     _integer(options, "rs_rows", 1)

@@ -90,6 +90,7 @@ class RSBuffers:
     partial_free: list[torch.Event | None] = field(default_factory=list)
     recv: torch.Tensor | None = None
     next_partial: int = 0
+    sent_bytes: int = 0  # phase-2 bytes this rank posted to other nodes (benchmarks read it)
 
     def take_partial(self, numel: int, device: torch.device) -> tuple[int, torch.Tensor]:
         """The next ring slot and an fp32 view of ``numel`` elements; on CUDA the
@@ -136,6 +137,9 @@ class TideRSState:
     use_tide_stream: bool
     # The group's FSDP2 reduce-scatter comm object at install (see TideGroupState).
     fsdp_comm: object = None
+    # Phase 2 over NCCL one-sided puts (``transport.one_sided.OneSidedCrossNode``, shared
+    # by the process group's FSDP groups); None: point-to-point send/recv.
+    cross_node: object = None
     calls: int = 0
     stock_reasons: set[str] = field(default_factory=set)
     # HSDP: the pending partial sum of microbatches without all-reduce is TIDE-RS's.
@@ -332,14 +336,19 @@ def _cross_node_step(
     if cross is not None:
         cross.wait_stream(torch.cuda.current_stream(device))
     with _stream_ctx(cross):
-        recv = state.buffers.take_recv(out.numel(), device)
-        peers = (global_rank(group, send_peer), global_rank(group, recv_peer))
-        ops = [
-            dist.P2POp(dist.isend, partial, peers[0], group),
-            dist.P2POp(dist.irecv, recv, peers[1], group),
-        ]
-        watchdog.wait_works(dist.batch_isend_irecv(ops), "TIDE-RS cross-node p2p", group, peers,
-                            device)  # fmt: skip
+        if state.cross_node is not None:  # one-sided: put into the owner's window
+            step = (chunk_node - layout.node_of(rank)) % layout.num_nodes
+            recv = state.cross_node.exchange(partial, send_peer, recv_peer, step, group)
+        else:
+            recv = state.buffers.take_recv(out.numel(), device)
+            peers = (global_rank(group, send_peer), global_rank(group, recv_peer))
+            ops = [
+                dist.P2POp(dist.isend, partial, peers[0], group),
+                dist.P2POp(dist.irecv, recv, peers[1], group),
+            ]
+            watchdog.wait_works(dist.batch_isend_irecv(ops), "TIDE-RS cross-node p2p", group,
+                                peers, device)  # fmt: skip
+        state.buffers.sent_bytes += partial.numel() * partial.element_size()
         if cross is not None:
             partial.record_stream(cross)  # allocated on the phase-1 stream
             state.buffers.partial_free[partial_slot] = cross.record_event()
@@ -398,11 +407,15 @@ def tide_reduce(
     if state.calls == 0:
         logger.info(
             "TIDE-RS %s: first reduce, %d params, %d elements per shard, %s gradients, "
-            "%s, accumulate: %s",
+            "%s, accumulate: %s%s",
             state.fqn, len(grads), shard_numel, grads[0].dtype if grads else None,
             layout.shape, kernels.triton_status() if cuda else "torch",
+            "" if num_nodes == 1 else
+            f", cross-node {'nccl_one_sided' if state.cross_node is not None else 'p2p'}",
         )  # fmt: skip
     state.calls += 1
+    if num_nodes > 1 and state.cross_node is not None:
+        state.cross_node.begin_reduce()
 
     with _stream_ctx(comm):
         out = _poisoned(torch.empty(shard_numel, dtype=torch.float32, device=device))
