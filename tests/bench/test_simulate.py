@@ -217,6 +217,20 @@ def test_symm_mem_generations_and_one_sided_transport():
         groups, ins, "tide", lay, old, DTYPES, sim.TideModel(cross_node="one_sided"))[1]}  # fmt: skip
     assert p2p["layers.0.rs_net"].op.kind == "net" and one["layers.0.rs_net"].op.kind == "net0"
     assert "net" in p2p["layers.0.fwd"].op.slowdown
+    # TIDE-AG goes one-sided only with one rank per node (several: send/recv, as the code)
+    assert one["layers.0.fwd.ag_net"].op.kind == "net"
+    lay1 = sim.Layout(2, 1)
+    one1 = {s.op.name: s.op for s in sim.simulate_step(
+        groups, ins, "tide", lay1, old, DTYPES, sim.TideModel(cross_node="one_sided"))[1]}  # fmt: skip
+    assert one1["layers.0.fwd.ag_net"].kind == "net0" and one1["layers.0.rs_net"].kind == "net0"
+    # the config's [tide] cross_node_transport chooses the default
+    from types import SimpleNamespace
+
+    tide_cfg = SimpleNamespace(rs_inflight=2, rs_rows=2, slot_reuse=True)
+    for chosen, expected in (("nccl_one_sided", "one_sided"), ("auto", "p2p"), ("p2p", "p2p")):
+        assert sim.tide_model_of(SimpleNamespace(**vars(tide_cfg), cross_node_transport=chosen)
+                                 ).cross_node == expected  # fmt: skip
+    assert sim.tide_model_of(tide_cfg, cross_node="one_sided").cross_node == "one_sided"
     with pytest.raises(inputs.SimulateError, match="cross_node"):
         sim.TideModel(cross_node="rdma")
 
@@ -263,7 +277,8 @@ def test_inputs_name_their_sources_and_charge_tide_rs_once():
 
     cm = load_config_model("h200x2_qwen3_30b_a3b_4layers")
     ins = inputs.build_inputs(cm, inputs.RESULTS, None, 0.4)
-    for key in ("compute", "optimizer", "host", "bandwidth", "interference", "accumulate", "layout"):
+    for key in ("compute", "optimizer", "host", "bandwidth", "interference", "accumulate",
+                "layout", "cross_node"):
         assert ".json" in ins.sources[key] or key == "host", (key, ins.sources[key])
     assert 3000 < ins.accumulate_gibps < 4500 and ins.accumulate_sm_share == pytest.approx(1.0)
     # measured beside GEMMs: every all-gather slower, TIDE-RS's GEMM share net of its kernels

@@ -28,8 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--rs-wire", choices=sorted(WIRE_BYTES), default="fp32",
                    help="TIDE-RS cross-node partials: fp32 (today) or bf16 (modeled option)")  # fmt: skip
-    p.add_argument("--cross-node", choices=CROSS_NODE, default="p2p",
-                   help="TIDE's cross-node transport: NCCL p2p (today) or one_sided (modeled, 0 SMs)")  # fmt: skip
+    p.add_argument("--cross-node", choices=CROSS_NODE, default=None,
+                   help="TIDE's cross-node transport: p2p (send/recv kernels) or one_sided "
+                        "(0 SMs); default: the config's [tide] cross_node_transport")  # fmt: skip
     p.add_argument("--mfu", type=float, default=0.4, help="MFU of the FLOPs fallback (no trace)")
     p.add_argument("--results-dir", default=str(RESULTS))
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
@@ -66,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = result["rows"]
     print(f"Simulated step (a SIMULATION, not a measurement): {args.config} at {args.gpus} GPUs "
           f"({rows[0]['nodes']} node(s)), cluster: {cluster.name}; TIDE-RS wire {args.rs_wire}, "
-          f"cross-node {args.cross_node}")  # fmt: skip
+          f"cross-node {rows[0]['cross_node']}")  # fmt: skip
     print("| mode | step ms | speed-up vs fsdp2 | exposed ms (first/between/last) | "
           "SM-ms taken | accumulate ms | comm slowed ms | layout ms |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
@@ -78,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r in rows:
         if r["mode_note"]:
             print(f"  {r['mode']}: {r['mode_note']}")
-    if args.cross_node != "p2p" or args.rs_wire != "fp32":
+    if rows[0]["cross_node"] != "p2p" or args.rs_wire != "fp32":
         print("  the one-sided transport and bf16 wire are modeled, not measured at scale")
     print("Inputs:")
     for key, text in result["sources"].items():

@@ -44,6 +44,7 @@ COLLECTIVE_LAYER = {"llama3_tide": "llama70b", "qwen3_tide": "qwen3_30b_a3b", "w
 COLLECTIVES_FILE = "2026-11-30_nvidia-h200-x-2_8a9ccda_collectives.json"
 INTERFERENCE_FILE = "2026-11-30_nvidia-h200-x-2_8a9ccda_interference.json"
 ACCUMULATE_FILE = "2026-11-30_nvidia-h200-x-2_8a9ccda_accumulate.json"
+CROSS_NODE_FILE = "2026-12-03_nvidia-h200-x-1_d533948_cross_node_one_node.json"
 # The profiled TIDE step whose accumulate kernels are the in-situ rate: Llama-3.1-70B
 # width, 4 layers, 2x H200, copy-engine slot barrier (the default): row "tide".
 ACCUMULATE_STEP = ("2026-11-30_nvidia-h200-x-2_c0114dd_step_h200x2_llama70b_4layers.json", "tide")
@@ -350,6 +351,23 @@ def _any_trace(results_dir: Path) -> Path:
     raise SimulateError(f"no *_trace_*.json under {results_dir}: run scripts/bench/bench_trace.py")
 
 
+def cross_node_transports(results_dir: Path) -> str:
+    """What bench_cross_node measured of TIDE's cross-node transports (two emulated nodes
+    on one H200): NCCL kernels, SM-ms and wire bytes per step, for the source line of
+    the one-sided option (0 kernels, the same bytes as send/recv)."""
+    path = results_dir / CROSS_NODE_FILE
+    if not path.exists():
+        return f"{CROSS_NODE_FILE}: missing; one-sided modeled as 0 SMs and send/recv's bytes"
+    rows = {r["variant"]: r for r in json.loads(path.read_text())["tables"][0]["rows"]}
+    text = "; ".join(
+        f"{name}: {r['nccl_kernels']} NCCL kernels, {r['nccl_sm_ms']:.1f} SM-ms, "
+        f"{r['wire_mib']:.0f} MiB per rank and step"
+        for name, r in rows.items()
+        if r.get("mode") == "tide"
+    )
+    return f"{CROSS_NODE_FILE} (bench_cross_node, 2 emulated nodes on one H200): {text}"
+
+
 def breakdown_step_file(results_dir: Path, config: str, world: int) -> Path | None:
     """The newest committed ``bench_step`` result of ``config`` run at ``world`` ranks
     with a profiled step breakdown (``bd_*`` columns of its ``fsdp2`` row), if any."""
@@ -422,6 +440,36 @@ def newest_world1_trace(results_dir: Path, config: str) -> Path | None:
     return _newest(sorted(results_dir.glob(f"*_trace_world1_{config}.json")))
 
 
+def autocast_casts(
+    compute: Mapping[str, GroupCompute],
+    groups: Sequence[GroupShape],
+    ac: str,
+    results_dir: Path,
+    trace_config: str,
+) -> tuple[dict[str, GroupCompute], str]:
+    """What fp32 weights under autocast add to a bf16-parameter trace (the one-GPU
+    trainer without a world-1 trace): per group, one fp32 -> bf16 cast of its weights per
+    forward (autocast caches it for the forward), one more per recompute under full
+    activation checkpointing, and the bf16 -> fp32 cast of its gradients in backward, each
+    at bench_floor's measured cast ms per element (fp32 read, bf16 write)."""
+    floor = _newest(sorted(results_dir.glob(f"*_floor_{trace_config}.json")))
+    if floor is None:
+        return dict(compute), f"no *_floor_{trace_config}.json: casts not charged"
+    data = json.loads(floor.read_text())
+    per_elem = data["cast_ms"] / data["work"]["shard_params"]
+    out = {}
+    for g in groups:
+        if g.name not in compute:
+            continue
+        cast = per_elem * g.numel
+        c = compute[g.name]
+        out[g.name] = GroupCompute(c.fwd_ms + cast, c.bwd_ms + cast * (1 + AC_FACTOR.get(ac, 0.0)))
+    return out, (
+        f"{floor.name}: cast {1e9 * per_elem:.2f} ps per element, once per weight in forward "
+        "(+ once per recompute) and once per gradient in backward"
+    )
+
+
 def build_inputs(
     cm: Any,
     results_dir: Path,
@@ -444,7 +492,7 @@ def build_inputs(
         if world1 and w1 is None:
             sources["world1_trace"] = (
                 f"missing: no *_trace_world1_{trace_config}.json (bench_trace.py --precision "
-                "world1); this row uses the bf16-parameter trace of the 2-GPU step"
+                "world1); this row uses the bf16-parameter trace plus autocast's casts"
             )
         path = w1 or newest_trace(results_dir, trace_config)
     trace = json.loads(Path(path).read_text()) if path is not None else None
@@ -472,6 +520,9 @@ def build_inputs(
         sources["compute"] = (
             f"FLOPs (2/4 x active params x tokens) at MFU {mfu} of {H200_BF16_FLOPS:.3g}"
         )
+    if "world1_trace" in sources and trace is not None:
+        compute, sources["autocast"] = autocast_casts(compute, cm.groups, ac, results_dir,
+                                                      trace_config or "")  # fmt: skip
     opt_path = Path(path) if trace is not None else _any_trace(results_dir)
     opt_trace = trace or json.loads(opt_path.read_text())
     opt = (opt_trace["adamw_ms"] + opt_trace["clip_ms"]) / opt_trace["work"]["shard_params"]
@@ -483,6 +534,7 @@ def build_inputs(
     gemm, comm, sources["interference"] = interference(results_dir, cls)
     sources["shape_class"] = why
     acc_gibps, acc_share, sources["accumulate"] = accumulate_rate(results_dir)
+    sources["cross_node"] = cross_node_transports(results_dir)
     layout, sources["layout"] = layout_costs(results_dir, trace_config or "", cm.groups)
     return Inputs(
         compute, root_fwd, root_bwd, opt, host, bandwidth, gemm, layout, cls,

@@ -69,8 +69,10 @@ class TideModel:
     """How the model runs TIDE: ``[tide]`` keys of the config and two options of the
     cross-node issue. ``rs_wire_bytes``: bytes per element of TIDE-RS's cross-node
     partials (4: fp32; 2: bf16 partials); ``cross_node``: ``p2p`` (NCCL point-to-point:
-    kernels on SMs, as today) or ``one_sided`` (put/signal through the copy engine /
-    RDMA proxy: no SMs). Both options are modeled, not measured at scale."""
+    send/recv kernels on SMs) or ``one_sided`` (``[tide] cross_node_transport =
+    "nccl_one_sided"``: puts through the copy engine / NCCL's RMA proxy, 0 kernels, the
+    same bytes (bench_cross_node); TIDE-RS phase 2 always, TIDE-AG only for groups with
+    one rank per node, as the code builds it). Both are modeled at scale, not measured."""
 
     rs_inflight: int = 2
     rs_rows: int = 2
@@ -85,10 +87,15 @@ class TideModel:
             raise SimulateError(f"rs_wire_bytes {self.rs_wire_bytes}: 2 (bf16) or 4 (fp32)")
 
 
-def tide_model_of(tide: Any, rs_wire_bytes: int = 4, cross_node: str = "p2p") -> TideModel:
+def tide_model_of(tide: Any, rs_wire_bytes: int = 4, cross_node: str | None = None) -> TideModel:
     """The :class:`TideModel` of a config's validated ``[tide]`` section: the node-local
     RS phase runs on TIDE-AG's stream under ``slot_reuse`` (the copy engine is the
-    node-local transport of a node's GPUs)."""
+    node-local transport of a node's GPUs); ``cross_node`` (None: the config's
+    ``cross_node_transport``, where ``nccl_one_sided`` is ``one_sided`` and ``auto`` is
+    ``p2p``: one-sided needs host RMA the simulator cannot see)."""
+    if cross_node is None:
+        chosen = getattr(tide, "cross_node_transport", "p2p")
+        cross_node = "one_sided" if chosen == "nccl_one_sided" else "p2p"
     return TideModel(
         rs_inflight=int(tide.rs_inflight),
         rs_rows=int(tide.rs_rows),
@@ -184,6 +191,8 @@ def build_ops(
     ops: list[Op] = []
     comp = {g.name: inputs.compute.get(g.name, GroupCompute(0.0, 0.0)) for g in groups}
     zero_sm_net = NET_ZERO_SM if tide.cross_node == "one_sided" else NET
+    # one-sided TIDE-AG only with one rank per node (docs/2026-12-02-one-sided.md)
+    ag_net = zero_sm_net if lay.local == 1 else NET
 
     def add(name, stream, ms, kind, after=(), issued_with=(), group=""):
         if stream == COMPUTE:
@@ -216,7 +225,7 @@ def build_ops(
                        group=g.name)  # fmt: skip
         if not cross:
             return add(name, "ce", copy_in + local, "ag", issued_with=issued_with, group=g.name)
-        add(f"{name}_net", "ce", copy_in + cross, zero_sm_net, issued_with=issued_with,
+        add(f"{name}_net", "ce", copy_in + cross, ag_net, issued_with=issued_with,
             group=g.name)  # fmt: skip
         return add(name, "ce", local, "ag", after=[f"{name}_net"], group=g.name)
 
@@ -343,7 +352,7 @@ def simulate_config(
     cm: Any = None,
     inputs: Inputs | None = None,
     rs_wire_bytes: int = 4,
-    cross_node: str = "p2p",
+    cross_node: str | None = None,
 ) -> dict[str, Any]:
     """Rows (one per mode), spans per mode, the inputs and the config model of ``config``
     at ``gpus``. Each row carries what the report needs: the cluster's NCCL, the TIDE
@@ -360,7 +369,7 @@ def simulate_config(
         note = mode_figures(inputs, mode, cluster).note
         rows.append({"config": cm.path.stem, "gpus": gpus, "nodes": lay.nodes, "mode": mode,
                      "nccl": cluster.nccl_version, "rs_wire_bytes": rs_wire_bytes,
-                     "cross_node": cross_node, "mode_note": note,
+                     "cross_node": tide.cross_node, "mode_note": note,
                      **{f"sim_{k}": v for k, v in fig.items()}})  # fmt: skip
         spans[mode] = sp
     base = next((r for r in rows if r["mode"] == "fsdp2"), None)
