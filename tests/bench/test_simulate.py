@@ -359,6 +359,17 @@ def test_world1_rows_say_when_the_world1_trace_is_missing(tmp_path):
     ins = inputs.build_inputs(cm, inputs.RESULTS, None, 0.4, world1=True)
     has_trace = inputs.newest_world1_trace(inputs.RESULTS, "h200x2_llama70b_4layers")
     assert ("world1_trace" in ins.sources) == (has_trace is None)
+    # without it: autocast's casts on the bf16 trace, once per weight forward and backward
+    base = inputs.build_inputs(cm, inputs.RESULTS, None, 0.4).compute
+    cast, _ = inputs.autocast_casts(base, cm.groups, "none", inputs.RESULTS, "h200x2_llama70b_4layers")
+    g = cm.groups[1]
+    added = cast[g.name].fwd_ms - base[g.name].fwd_ms
+    assert added == pytest.approx(4.774 / 2761986048 * g.numel, rel=1e-3)  # bench_floor cast
+    assert cast[g.name].bwd_ms - base[g.name].bwd_ms == pytest.approx(added)
+    full, _ = inputs.autocast_casts(base, cm.groups, "full", inputs.RESULTS, "h200x2_llama70b_4layers")
+    assert full[g.name].bwd_ms - base[g.name].bwd_ms == pytest.approx(2 * added)
+    empty, why = inputs.autocast_casts(base, cm.groups, "none", tmp_path, "h200x2_llama70b_4layers")
+    assert empty == dict(base) and "not charged" in why
 
 
 def test_stream_picture_marks_the_exposed_first_all_gather(tmp_path):
