@@ -162,6 +162,12 @@ def test_accumulate_kernels_take_compute_time_by_their_share():
     assert half["gemm"].end_ms == pytest.approx(12.0)
     with pytest.raises(SimulationError, match="sm_share"):
         simulate([Op("x", "side", 1.0, "rs", sm_share=0.5)])
+    with pytest.raises(SimulationError, match="beside compute"):
+        simulate([Op("x", "compute", 1.0, "sm", sm_share=0.5)])
+    # a zero-SM cross-node phase alone counts as exposed communication
+    idle = summarize(simulate([Op("put", "rs_net", 3.0, "net0"), Op("opt", "compute", 1.0,
+                                                                     "optimizer", after=("put",))]))  # fmt: skip
+    assert idle["exposed_ms"] == pytest.approx(3.0)
 
 
 def test_collective_slowed_beside_compute():
@@ -191,7 +197,9 @@ def test_tide_accumulate_ops_by_hand_on_the_tide_stream_under_slot_reuse():
     assert sim.accumulate_bytes(s, lay, sim.TideModel(), 2) == (8 * s, 0)
     # 8 per node, 2 rows per window (4 windows: 3 re-reads), 2 nodes; phase 2 fp32
     assert sim.accumulate_bytes(10, sim.Layout(16, 8), sim.TideModel(), 2) == (
-        2 * 10 * (8 * 2 + 4 * 4 + 4 * 3), 10 * 12)
+        2 * 10 * (8 * 2 + 4 * 4 + 4 * 3),
+        10 * 12,
+    )
 
 
 def test_symm_mem_generations_and_one_sided_transport():
@@ -202,8 +210,12 @@ def test_symm_mem_generations_and_one_sided_transport():
     old = cluster.Cluster(nccl_version="2.28.9")
     new = cluster.Cluster(nccl_version="2.31.2")
     assert not old.hierarchical_ag and new.hierarchical_ag and new.hierarchical_rs
-    names_old = {s.op.name: s.op for s in sim.simulate_step(groups, ins, "symm_mem", lay, old, DTYPES)[1]}
-    names_new = {s.op.name: s.op for s in sim.simulate_step(groups, ins, "symm_mem", lay, new, DTYPES)[1]}
+    names_old = {
+        s.op.name: s.op for s in sim.simulate_step(groups, ins, "symm_mem", lay, old, DTYPES)[1]
+    }
+    names_new = {
+        s.op.name: s.op for s in sim.simulate_step(groups, ins, "symm_mem", lay, new, DTYPES)[1]
+    }
     s = GIB_BF16 // 16
     ring_rs = sim.stock_ms(s * 4, lay, 1.0, old.net_gibps)
     cross, local = sim.hierarchical_ms(s * 4, lay, 1.0, new.net_gibps)
@@ -258,7 +270,9 @@ def test_stock_ring_and_hierarchical_by_hand():
 def test_cluster_file(tmp_path):
     assert cluster.load_cluster(None).gpus_per_node == 8
     good = tmp_path / "c.toml"
-    good.write_text('[cluster]\ngpus_per_node = 4\nnic_gbps_per_gpu = 200\nnccl_version = "2.30.7"\n')
+    good.write_text(
+        '[cluster]\ngpus_per_node = 4\nnic_gbps_per_gpu = 200\nnccl_version = "2.30.7"\n'
+    )
     c = cluster.load_cluster(good)
     assert (c.gpus_per_node, c.hierarchical_ag) == (4, True)
     assert c.net_gibps == pytest.approx(200e9 / 8 / 2**30)
@@ -277,8 +291,16 @@ def test_inputs_name_their_sources_and_charge_tide_rs_once():
 
     cm = load_config_model("h200x2_qwen3_30b_a3b_4layers")
     ins = inputs.build_inputs(cm, inputs.RESULTS, None, 0.4)
-    for key in ("compute", "optimizer", "host", "bandwidth", "interference", "accumulate",
-                "layout", "cross_node"):
+    for key in (
+        "compute",
+        "optimizer",
+        "host",
+        "bandwidth",
+        "interference",
+        "accumulate",
+        "layout",
+        "cross_node",
+    ):
         assert ".json" in ins.sources[key] or key == "host", (key, ins.sources[key])
     assert 3000 < ins.accumulate_gibps < 4500 and ins.accumulate_sm_share == pytest.approx(1.0)
     # measured beside GEMMs: every all-gather slower, TIDE-RS's GEMM share net of its kernels
@@ -308,15 +330,20 @@ def test_baseline_table_compares_tide_with_the_stronger_symm_mem():
     strongest = min(symm, key=lambda v: qwen[v]["sim_step_ms"])
     tide = qwen["tide"]
     assert tide["stronger_symm_mem"] == strongest
-    assert tide["vs_symm_speedup"] == pytest.approx(qwen[strongest]["sim_step_ms"] / tide["sim_step_ms"])
+    assert tide["vs_symm_speedup"] == pytest.approx(
+        qwen[strongest]["sim_step_ms"] / tide["sim_step_ms"]
+    )
     assert tide["vs_fsdp2_reduction_pct"] == pytest.approx(
-        100 * (1 - tide["sim_step_ms"] / qwen["fsdp2"]["sim_step_ms"]))
+        100 * (1 - tide["sim_step_ms"] / qwen["fsdp2"]["sim_step_ms"])
+    )
     assert "27.1%" in report.PAPER and "1.372x" in report.PAPER and "1.064x" in report.PAPER
 
 
 def test_cli_prints_rows_and_sources(tmp_path, capsys):
     out = tmp_path / "rows.json"
-    assert cli.main(["--config", "h200x2_llama70b_4layers", "--gpus", "16", "--json", str(out)]) == 0
+    assert (
+        cli.main(["--config", "h200x2_llama70b_4layers", "--gpus", "16", "--json", str(out)]) == 0
+    )
     text = capsys.readouterr().out
     assert "SIMULATION" in text and "| tide |" in text and "compute: trace" in text
     assert "accumulate:" in text
@@ -361,12 +388,16 @@ def test_world1_rows_say_when_the_world1_trace_is_missing(tmp_path):
     assert ("world1_trace" in ins.sources) == (has_trace is None)
     # without it: autocast's casts on the bf16 trace, once per weight forward and backward
     base = inputs.build_inputs(cm, inputs.RESULTS, None, 0.4).compute
-    cast, _ = inputs.autocast_casts(base, cm.groups, "none", inputs.RESULTS, "h200x2_llama70b_4layers")
+    cast, _ = inputs.autocast_casts(
+        base, cm.groups, "none", inputs.RESULTS, "h200x2_llama70b_4layers"
+    )
     g = cm.groups[1]
     added = cast[g.name].fwd_ms - base[g.name].fwd_ms
     assert added == pytest.approx(4.774 / 2761986048 * g.numel, rel=1e-3)  # bench_floor cast
     assert cast[g.name].bwd_ms - base[g.name].bwd_ms == pytest.approx(added)
-    full, _ = inputs.autocast_casts(base, cm.groups, "full", inputs.RESULTS, "h200x2_llama70b_4layers")
+    full, _ = inputs.autocast_casts(
+        base, cm.groups, "full", inputs.RESULTS, "h200x2_llama70b_4layers"
+    )
     assert full[g.name].bwd_ms - base[g.name].bwd_ms == pytest.approx(2 * added)
     empty, why = inputs.autocast_casts(base, cm.groups, "none", tmp_path, "h200x2_llama70b_4layers")
     assert empty == dict(base) and "not charged" in why
@@ -375,7 +406,9 @@ def test_world1_rows_say_when_the_world1_trace_is_missing(tmp_path):
 def test_stream_picture_marks_the_exposed_first_all_gather(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "streams.png"
-    assert report.draw_streams(path, "h200x2_llama70b_4layers", 2, cluster.Cluster(), inputs.RESULTS)
+    assert report.draw_streams(
+        path, "h200x2_llama70b_4layers", 2, cluster.Cluster(), inputs.RESULTS
+    )
     assert path.stat().st_size > 10_000
     result = sim.simulate_config("h200x2_llama70b_4layers", 2, ["fsdp2"], cluster.Cluster())
     exposed = report.exposed_intervals(result["spans"]["fsdp2"])

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 COMPUTE = "compute"  # the compute stream's name
-COMM_KINDS = ("ag", "rs", "net", "sm")  # op kinds off the compute stream (exposure)
+COMM_KINDS = ("ag", "rs", "net", "net0", "sm")  # op kinds off the compute stream (exposure)
 SM = "sm"  # kind of an SM-holding kernel off the compute stream
 _EPS = 1e-9
 
@@ -82,6 +82,8 @@ def simulate(ops: Sequence[Op]) -> list[Span]:
             raise SimulationError(
                 f"op {op.name!r}: sm_share {op.sm_share} must be in [0, 1], on kind {SM!r} only"
             )
+        if op.kind == SM and op.stream == COMPUTE:
+            raise SimulationError(f"op {op.name!r}: kind {SM!r} runs beside compute, not on it")
         by_name[op.name] = op
     for op in ops:
         for dep in (*op.after, *op.issued_with):

@@ -415,7 +415,10 @@ def host_ms(
     where no breakdown exists (said in the source)."""
     measured, source = world1_step(results_dir, trace_config) if trace_config else (None, "")
     if not measured and trace_config and (two := breakdown_step_file(results_dir, trace_config, 2)):
-        measured, source = _breakdown(two), f"{two.name} (world 2, fsdp2 row, profiled step breakdown)"
+        measured, source = (
+            _breakdown(two),
+            f"{two.name} (world 2, fsdp2 row, profiled step breakdown)",
+        )
     if not measured:
         return 0.0, f"not measured: 0 ({source or 'no one-GPU breakdown of this model'})"
     freq = int(table.get("metrics", {}).get("log_freq", 10))

@@ -76,7 +76,9 @@ def _why(config: str, mode: str, sources: dict[str, str]) -> str:
     """What the model lacks for a row outside the tolerance, from its inputs' sources."""
     lacking = []
     if sources.get("host", "").startswith("not measured"):
-        lacking.append(f"per-step trainer time outside fwd+bwd is an input of 0 ({sources['host']})")
+        lacking.append(
+            f"per-step trainer time outside fwd+bwd is an input of 0 ({sources['host']})"
+        )
     if "world1_trace" in sources:
         lacking.append(f"world-1 trace {sources['world1_trace']}")
     if note := UNEXPLAINED.get((config, mode)):
@@ -207,7 +209,9 @@ def sensitivity_rows(results_dir: Path, cluster: Cluster) -> list[dict[str, Any]
         ("nic_gbps_per_gpu", v, replace(cluster, nic_gbps_per_gpu=v)) for v in (100, 200, 400, 800)
     ]
     variants += [("gpus_per_node", v, replace(cluster, gpus_per_node=v)) for v in (4, 8)]
-    variants += [("nccl_version", v, replace(cluster, nccl_version=v)) for v in ("2.30.7", NCCL_NEW)]
+    variants += [
+        ("nccl_version", v, replace(cluster, nccl_version=v)) for v in ("2.30.7", NCCL_NEW)
+    ]
     for config in ("llama70b_fsdp2", "qwen3_30b_a3b_fsdp2"):
         cm = load_config_model(config)
         inp = build_inputs(cm, results_dir, None, 0.4)
@@ -217,7 +221,9 @@ def sensitivity_rows(results_dir: Path, cluster: Cluster) -> list[dict[str, Any]
             ("comm slowed by compute", "off (not applied)", cluster, unslowed),
         ]:
             sim = simulate_config(config, 64, MODES, variant, results_dir, cm=cm, inputs=ins)
-            rows += [{"model": model_of(config), "knob": knob, "value": value, **r} for r in sim["rows"]]
+            rows += [
+                {"model": model_of(config), "knob": knob, "value": value, **r} for r in sim["rows"]
+            ]
     return rows
 
 

@@ -137,7 +137,7 @@ def accumulate_bytes(shard: int, lay: Layout, tide: TideModel, grad_bytes: int) 
 class ModeFigures:
     """What one mode's ops run at: ``bw`` (GiB/s per phase ``ag``/``rs``), ``gemm``
     (compute slowdown fraction beside each comm kind), ``comm`` (collective slowdown
-    fraction beside compute, per ``ag``/``rs``/``net``), ``layout_ns``; ``note``: how
+    fraction beside compute, per ``ag``/``rs``/``net``/``net0``), ``layout_ns``; ``note``: how
     the figures were chosen (symm_mem's NCCL generation)."""
 
     bw: dict[str, float]
@@ -151,10 +151,11 @@ def mode_figures(inputs: Inputs, mode: str, cluster: Cluster) -> ModeFigures:
     """The figures of ``mode`` on ``cluster``. NCCL point-to-point cross-node phases
     (kind ``net``) take fsdp2's all-gather figures in both directions (NCCL data-movement
     kernels); zero-SM cross-node phases (kind ``net0``) slow no compute and are slowed
-    by compute as the one measured zero-SM transport is (TIDE-AG's copy engine). symm_mem on NCCL >= 2.30.7 (``cluster.hierarchical_rs``): the optimized
-    symmetric reduce-scatter at the ring kernel's measured bandwidth with the better of
-    the measured symmetric / ring interference (a modeled upper bound on the baseline:
-    the release notes give no figures)."""
+    by compute as the one measured zero-SM transport is (TIDE-AG's copy engine).
+    symm_mem on NCCL >= 2.30.7 (``cluster.hierarchical_rs``): the optimized symmetric
+    reduce-scatter at the ring kernel's measured bandwidth with the better of the
+    measured symmetric / ring interference (a modeled upper bound on the baseline: the
+    release notes give no figures)."""
     bw = dict(inputs.bandwidth_gibps.get(mode, {}))
     gemm = dict(inputs.interference.get(mode, {}))
     comm = dict(inputs.comm_slowdown.get(mode, {}))
