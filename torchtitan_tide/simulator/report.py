@@ -39,8 +39,8 @@ REFERENCE_CONFIGS = tuple(
 PAPER = (
     "TIDE paper (abstract): step time reduced by up to 27.1% relative to stock FSDP2 (a "
     "1.372x speed-up) and by up to 6.0% relative to FSDP2+SymmMem (1.064x), across "
-    "Llama-3.1 70B, Wan2.2 and Qwen3-30B-A3B at 64 GPUs; the abstract does not say which "
-    "model reaches either figure"
+    "Llama-3.1 70B, Wan2.2 and Qwen3-30B-A3B; the abstract does not say which model "
+    "reaches either figure"
 )
 # Residuals no measured input explains (found by reading the committed profiles; no
 # factor is fitted to close them).
