@@ -20,6 +20,7 @@ from torchtitan_tide.simulator.inputs import (
     MEASURED_STEPS,
     MODES,
     REPO,
+    Inputs,
     build_inputs,
     inputs_record,
     measured_step,
@@ -198,10 +199,26 @@ def _compare(rows: list[dict[str, Any]]) -> None:
             row[f"vs_symm_speedup{tag}"] = symm[strongest] / row[key]
 
 
+def ring_rs_symm_mem(inputs: Inputs) -> Inputs:
+    """``inputs`` with symm_mem's reduce-scatter replaced by NCCL's ring (fsdp2's measured
+    bandwidth and interference): symm_mem with only its all-gather in symmetric memory,
+    what the public API allows on NCCL < 2.30.7 (not built)."""
+
+    def with_rs(table):
+        return {**table, "symm_mem": {**table["symm_mem"], "rs": table["fsdp2"]["rs"]}}
+
+    return replace(
+        inputs,
+        bandwidth_gibps=with_rs(inputs.bandwidth_gibps),
+        interference=with_rs(inputs.interference),
+        comm_slowdown=with_rs(inputs.comm_slowdown),
+    )
+
+
 def sensitivity_rows(results_dir: Path, cluster: Cluster) -> list[dict[str, Any]]:
     """Llama-3.1-70B and Qwen3-30B-A3B at 64 GPUs: NIC Gb/s per GPU, GPUs per node, the
-    NCCL generation, and collectives not slowed by compute (what the measured factor,
-    taken at 2 GPUs over NVLink, contributes at 64)."""
+    NCCL generation, collectives not slowed by compute (what the measured factor, taken
+    at 2 GPUs over NVLink, contributes at 64), and symm_mem with NCCL's ring RS."""
     from torchtitan_tide.plan import load_config_model
 
     rows = []
@@ -219,6 +236,7 @@ def sensitivity_rows(results_dir: Path, cluster: Cluster) -> list[dict[str, Any]
         for knob, value, variant, ins in [
             *((k, v, c, inp) for k, v, c in variants),
             ("comm slowed by compute", "off (not applied)", cluster, unslowed),
+            ("symm_mem RS (NCCL 2.28.9)", "ring (not built)", cluster, ring_rs_symm_mem(inp)),
         ]:
             sim = simulate_config(config, 64, MODES, variant, results_dir, cm=cm, inputs=ins)
             rows += [
