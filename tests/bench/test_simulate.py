@@ -320,6 +320,11 @@ def test_validation_rows_carry_their_keys_and_explain_misses():
         assert r["within_5pct"] or r["missing"] not in ("", "not explained"), r
         if r["config"].startswith("h200x2_llama") and r["mode"] == "tide":
             assert r["accumulate_ms"] > 0 and r["sm_ms_taken"] > 0  # TIDE's kernels charged
+    sources = report.source_rows(rows, cluster.Cluster())
+    measured = [s for s in sources if s["input"].startswith("measured step")]
+    assert len(measured) == len(rows) and all(".json" in s["source"] or "issue 21" in s["source"]
+                                              for s in measured)  # fmt: skip
+    assert {s["input"] for s in sources} >= {"compute", "accumulate", "interference", "cluster"}
 
 
 def test_baseline_table_compares_tide_with_the_stronger_symm_mem():

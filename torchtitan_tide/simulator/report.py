@@ -274,6 +274,30 @@ SENSITIVITY_COLUMNS = [("model", "model"), ("knob", "cluster knob"), ("value", "
                        ("sim_exposed_ms", "exposed ms")]  # fmt: skip
 
 
+SOURCE_COLUMNS = [("config", "config"), ("input", "input"), ("source", "source")]
+
+
+def source_rows(validation: list[dict[str, Any]], cluster: Cluster) -> list[dict[str, str]]:
+    """One row per (config and GPU count, input) of the validation rows' sources, each
+    measured step, the cluster and the modeled NCCL generation."""
+    rows, seen = [], set()
+    for r in validation:
+        where = f"{r['config']} ({r['gpus']} GPU)"
+        for key, text in r["sources"].items():
+            if (where, key) not in seen:
+                seen.add((where, key))
+                rows.append({"config": where, "input": key, "source": text})
+        rows.append({"config": where, "input": f"measured step ({r['mode']})",
+                     "source": r["measured_source"]})  # fmt: skip
+    rows.append(
+        {"config": "all", "input": "cluster", "source": f"{cluster.source} ({cluster.name})"}
+    )
+    rows.append({"config": "all", "input": f"symm_mem on NCCL {NCCL_NEW}",
+                 "source": "NCCL release notes 2.29.7 / 2.30.3 / 2.30.7 / 2.31.2 (modeled, "
+                           "docs/2026-12-02-simulator.md)"})  # fmt: skip
+    return rows
+
+
 def write_report(results_dir: Path, out_dir: Path, cluster: Cluster) -> dict[str, str]:
     """Compute everything and write the JSON, Markdown and PNG; returns their paths."""
     common = _common()
@@ -289,6 +313,9 @@ def write_report(results_dir: Path, out_dir: Path, cluster: Cluster) -> dict[str
         {"title": f"Reference configs at 8-64 GPUs (SIMULATION; cluster: {cluster.name})", "columns": REFERENCE_COLUMNS, "rows": reference},
         {"title": "Sensitivity at 64 GPUs (SIMULATION)", "columns": SENSITIVITY_COLUMNS, "rows": sensitivity},
     ]  # fmt: skip
+    sources = source_rows(validation, cluster)
+    tables.append({"title": "Inputs and their sources (the validation rows)",
+                   "columns": SOURCE_COLUMNS, "rows": sources})  # fmt: skip
     within = sum(1 for r in validation if r["within_5pct"])
     result = {
         "kind": "simulation",
@@ -300,6 +327,7 @@ def write_report(results_dir: Path, out_dir: Path, cluster: Cluster) -> dict[str
         "reference": reference,
         "sensitivity": sensitivity,
         "inputs": inputs,
+        "sources": sources,
         "tables": [{**t, "columns": [list(c) for c in t["columns"]]} for t in tables],
         "headline": [],
     }
