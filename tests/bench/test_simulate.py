@@ -458,3 +458,21 @@ def test_ring_rs_symm_mem_swaps_only_symm_mem_reduce_scatter():
     two = sim.simulate_config(cm.path.stem, 2, ["symm_mem"], cluster.Cluster(), cm=cm, inputs=ins)
     fix = sim.simulate_config(cm.path.stem, 2, ["symm_mem"], cluster.Cluster(), cm=cm, inputs=ring)
     assert fix["rows"][0]["sim_step_ms"] < two["rows"][0]["sim_step_ms"]
+
+
+def test_layout_copies_scale_with_the_simulated_model():
+    """Layout kernels cost per element of the measured config: the measured config gets
+    its profiled ms back, a smaller model of the same family proportionally less."""
+    from torchtitan_tide.plan import load_config_model
+
+    measured = load_config_model("h200x2_llama70b_4layers")
+    tiny = load_config_model("debug_model")
+    fig = {}
+    for cm in (measured, tiny):
+        ins = inputs.build_inputs(cm, inputs.RESULTS, None, 0.4)
+        row = sim.simulate_config(cm.path.stem, 2, ["fsdp2"], cluster.Cluster(), cm=cm, inputs=ins)
+        fig[cm.path.stem] = row["rows"][0]["sim_layout_ms"]
+    profiled = 19.14 + 11.19  # chunk_cat + split_with_sizes_copy ms of the 8a9ccda step
+    assert fig["h200x2_llama70b_4layers"] == pytest.approx(profiled, rel=0.01)
+    ratio = tiny.total_numel / measured.total_numel
+    assert fig["debug_model"] == pytest.approx(profiled * ratio, rel=0.05)

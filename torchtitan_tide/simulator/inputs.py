@@ -222,12 +222,11 @@ def accumulate_rate(results_dir: Path) -> tuple[float, float, str]:
     SM-weighted ms / ms of the same profile. ``bench_accumulate``'s default kernel alone
     is quoted beside it."""
     from torchtitan_tide.comm.memory_plan import group_shard_numel
-    from torchtitan_tide.plan import load_config_model
 
     name, row_mode = ACCUMULATE_STEP
     row = next(r for r in read_result(results_dir, name)["rows"] if r["mode"] == row_mode)
     config = name.split("_step_")[1].removesuffix(".json")
-    shard = sum(group_shard_numel(g, 2) for g in load_config_model(config).groups)
+    shard = sum(group_shard_numel(g, 2) for g in measured_groups(config))
     gib = 8 * shard / GIB
     rate = gib / (row["rs_kernel_ms"] / 1e3)
     share = row["rs_kernel_sm_weighted_ms"] / row["rs_kernel_ms"]
@@ -242,15 +241,22 @@ def accumulate_rate(results_dir: Path) -> tuple[float, float, str]:
     return rate, share, text
 
 
-def layout_costs(
-    results_dir: Path, trace_config: str, groups: Sequence[GroupShape]
-) -> tuple[dict, str]:
+@functools.lru_cache(maxsize=8)
+def measured_groups(config: str) -> tuple[GroupShape, ...]:
+    """The FSDP groups of a measured config (the planner's model of it)."""
+    from torchtitan_tide.plan import load_config_model
+
+    return tuple(load_config_model(config).groups)
+
+
+def layout_costs(results_dir: Path, trace_config: str) -> tuple[dict, str]:
     """ns per element of each layout kernel (profiled fsdp2 / symm_mem steps of
-    ``trace_config`` on 2 GPUs): copy-out and chunk_cat per unsharded element and
-    gather / reduce, copy-in per shard element and gather."""
+    ``trace_config`` on 2 GPUs, over that config's own groups): copy-out and chunk_cat
+    per unsharded element and gather / reduce, copy-in per shard element and gather."""
     steps = MEASURED_STEPS.get(trace_config)
     if not steps:
         return {}, "no profiled step of this model: layout copies 0"
+    groups = measured_groups(trace_config)
     numel = sum(g.numel for g in groups)
     gathers = sum(2 if g.reshard_after_forward else 1 for g in groups)
     gathered = sum(g.numel * (2 if g.reshard_after_forward else 1) for g in groups)
@@ -267,7 +273,8 @@ def layout_costs(
     out["tide"] = {"copy_out": 0.0, "chunk_cat": 0.0, "copy_in": 0.0}
     file = steps["fsdp2"][0]
     return out, (f"{file}: profiled chunk_cat / split_with_sizes_copy / all_gather_copy_in ms "
-                 f"per element ({gathers} gathers per step; tide_ag: chunk_cat only; tide: none)")  # fmt: skip
+                 f"per element of {trace_config} ({gathers} gathers per step; tide_ag: chunk_cat "
+                 "only; tide: none)")  # fmt: skip
 
 
 def tokens_per_gpu(table: Mapping[str, Any], model_args: Any) -> int:
@@ -538,7 +545,7 @@ def build_inputs(
     sources["shape_class"] = why
     acc_gibps, acc_share, sources["accumulate"] = accumulate_rate(results_dir)
     sources["cross_node"] = cross_node_transports(results_dir)
-    layout, sources["layout"] = layout_costs(results_dir, trace_config or "", cm.groups)
+    layout, sources["layout"] = layout_costs(results_dir, trace_config or "")
     return Inputs(
         compute, root_fwd, root_bwd, opt, host, bandwidth, gemm, layout, cls,
         comm, acc_gibps, acc_share, sources,
