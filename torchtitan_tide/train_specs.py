@@ -144,11 +144,18 @@ def nccl_version_string() -> str:
     """The NCCL version loaded by this process, or why there is none."""
     if not torch.cuda.is_available():
         return "no CUDA, NCCL not loaded"
+    from torchtitan_tide.comm.transport import nccl_rma
+
     try:
-        major, minor, patch = torch.cuda.nccl.version()[:3]
-        return f"NCCL {major}.{minor}.{patch}"
+        built = ".".join(str(v) for v in torch.cuda.nccl.version()[:3])
     except (RuntimeError, AttributeError) as exc:
-        return f"NCCL version unknown ({exc})"
+        built = f"unknown ({exc})"
+    # ncclGetVersion of the library this process mapped: torch reports the version it
+    # was built against, also after the library was replaced (README, NCCL section).
+    loaded = nccl_rma.version_text(nccl_rma.nccl_version())
+    if loaded in ("none", built):
+        return f"NCCL {built}"
+    return f"NCCL {loaded} loaded ({nccl_rma.library_path()}; torch built with {built})"
 
 
 def check_group_sizes(tide: Tide, parallel_dims: ParallelDims) -> None:
