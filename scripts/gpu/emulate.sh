@@ -102,8 +102,14 @@ fi
 # sessions of their own, so process groups do not reach them).
 descendants() {
   local -a todo=("$@") out=()
-  local table pid child
-  table=$(ps -e -o pid=,ppid=)
+  local table="" pid ppid child stat line rest
+  for stat in /proc/[0-9]*/stat; do  # "pid ppid" lines from /proc (no ps needed)
+    { read -r line < "$stat"; } 2>/dev/null || continue
+    rest=${line##*) }
+    read -r _ ppid _ <<< "$rest"
+    pid=${stat#/proc/}
+    table+="${pid%/stat} $ppid"$'\n'
+  done
   while ((${#todo[@]})); do
     pid=${todo[-1]}; unset 'todo[-1]'
     for child in $(awk -v p="$pid" '$2 == p {print $1}' <<< "$table"); do

@@ -12,11 +12,12 @@
 # EXIT/INT/TERM). Exit status: the command's. Replacing is a rename, never an overwrite in
 # place: processes that have the old file mapped keep a valid mapping.
 #   --dry-run   print what would be done (paths, hashes), change nothing, run nothing
-# Environment: NCCL_LIB (the file to replace; default: torch's, found through
-# nvidia.nccl.__path__), PYTHON (default python3).
+# Environment: NCCL_LIB (the file to replace; default: the libnccl torch maps when imported,
+# else nvidia.nccl.__path__'s lib/libnccl.so.2), PYTHON (default python3).
 # torch 2.11's comm = "symm_mem" (NCCL's symmetric-memory backend) breaks under 2.30.7:
 # keep the swap to the commands that need the newer NCCL.
 set -uo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 dry_run=0
 die() { echo "nccl_swap.sh: error: $*" >&2; exit 2; }
@@ -37,8 +38,11 @@ want=$(awk '$2 ~ /(^|\/)libnccl\.so\.2$/ {print $1; exit}' "$src/sha256.txt" 2>/
 
 target="${NCCL_LIB:-}"
 if [[ -z "$target" ]]; then
-  target=$("$PYTHON" -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2"))') \
-    || die "torch's NCCL not found (no nvidia.nccl package); set NCCL_LIB=/path/to/libnccl.so.2"
+  # The file torch maps at import (its RPATH copy), else the nvidia-nccl wheel's.
+  target=$(PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c 'import torch
+from torchtitan_tide.comm.nccl_library import bundled_library_path, loaded_library
+print(loaded_library() or bundled_library_path() or "")') || target=""
+  [[ -n "$target" ]] || die "torch's libnccl.so.2 not found (not mapped by torch, no nvidia.nccl package); set NCCL_LIB=/path/to/libnccl.so.2"
 fi
 [[ -f "$target" ]] || die "$target (the library to replace) does not exist; set NCCL_LIB"
 have=$(sha256sum "$target" | awk '{print $1}')
