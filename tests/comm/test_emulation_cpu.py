@@ -269,3 +269,19 @@ def test_nccl_swap_restores_when_stopped(swap_setup, tmp_path):
             proc.kill()
     assert target.read_bytes() == b"bundled NCCL 2.28.9\n", log.read_text()
     assert "restored" in log.read_text()
+
+
+def test_run_log_names_the_nccl_in_use(monkeypatch):
+    """The training log's NCCL version is the loaded library's own; where torch was built
+    with another (a swapped library), both, and the file, are named."""
+    import torch
+
+    from torchtitan_tide import train_specs
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 28, 9))
+    lib = "/venv/nvidia/nccl/lib/libnccl.so.2"
+    monkeypatch.setattr(nccl_library, "torch_nccl", lambda: (lib, (2, 30, 7)))
+    assert train_specs.nccl_version_string() == f"NCCL 2.30.7 ({lib}; torch built with 2.28.9)"
+    monkeypatch.setattr(nccl_library, "torch_nccl", lambda: (lib, (2, 28, 9)))
+    assert train_specs.nccl_version_string() == "NCCL 2.28.9"
