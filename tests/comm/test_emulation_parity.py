@@ -19,8 +19,11 @@ log must show the communicators as N nodes.
 torch's place: scripts/gpu/check.sh's ``emulation`` stage swaps it in; skipped
 otherwise), TIDE still 2 nodes x 1 (its cross-node path over NCCL's same-GPU transport).
 
+The same checks on CPU (gloo, each forked rank its own launcher node): the CPU stand-in
+that runs where no GPU is (2 nodes; 4 nodes marked ``slow``).
+
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
-        python3 -m pytest -q -m "gpu and emulation" tests/comm/test_emulation_gpu.py
+        python3 -m pytest -q -m "gpu and emulation" tests/comm/test_emulation_parity.py
 """
 
 from __future__ import annotations
@@ -31,17 +34,19 @@ from dataclasses import replace
 
 import pytest
 import torch
+from _emulation import launcher_node_env, nccl_comms, nccl_versions, spawn_emulated
 from _emulation import log_tail as nccl_log_tail
-from _emulation import nccl_comms, nccl_versions, spawn_emulated
+from _harness import spawn
 from _layouts import Layout, run_layout
 
 from torchtitan_tide.comm.nccl_library import multi_rank_gpu_unsupported
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.emulation,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+
+def gpu_emulation(test):
+    """Marks of the GPU tests: ``gpu``, ``emulation``, skipped without CUDA."""
+    needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+    return pytest.mark.gpu(pytest.mark.emulation(needs_cuda(test)))
+
 
 # bf16 parameters, fp32 reduce (Layout's job config: mixed_precision_reduce float32).
 # Detected (0: one rank per launcher node) and forced (1) layouts, TIDE-AG over p2p.
@@ -70,10 +75,14 @@ def _deterministic() -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def _parity(rank: int, world_size: int, layouts: list[Layout], nodes: int) -> None:
+def _parity(
+    rank: int, world_size: int, layouts: list[Layout], nodes: int, cuda: bool = True
+) -> None:
+    """Every layout against stock FSDP2 (``run_layout``), then TIDE's log lines."""
     _deterministic()
     for layout in layouts:
-        rec = run_layout(rank, world_size, layout, device=torch.device("cuda", 0))
+        device = torch.device("cuda", 0) if cuda else None
+        rec = run_layout(rank, world_size, layout, device=device)
         log = "\n".join(rec.logs)
         shape = f"{nodes} nodes x 1"
         first_reduce = [m for m in rec.logs if "TIDE-RS" in m and "first reduce" in m]
@@ -98,6 +107,7 @@ def _check_nccl_nodes(
     return comms
 
 
+@gpu_emulation
 @pytest.mark.parametrize("nodes", [2, 4], ids=["2x1", "4x1"])
 def test_emulated_nodes_parity(tmp_path, nodes):
     """N emulated nodes x 1 rank (NCCL_HOSTID): TIDE's cross-node path vs stock FSDP2."""
@@ -112,6 +122,7 @@ def test_emulated_nodes_parity(tmp_path, nodes):
 ONE_NODE_TIDE_OPTIONS = [{}]
 
 
+@gpu_emulation
 @pytest.mark.parametrize(
     "tide", ONE_NODE_TIDE_OPTIONS, ids=[",".join(f"{k}={v}" for k, v in o.items()) or "auto"
                                         for o in ONE_NODE_TIDE_OPTIONS]
@@ -128,3 +139,14 @@ def test_one_node_parity(tmp_path, tide):
     versions = nccl_versions(str(tmp_path))  # NCCL's own word, not torch.cuda.nccl.version()
     numbers = [tuple(int(x) for x in v.split("+")[0].split(".")) for v in versions]
     assert numbers and min(numbers) >= (2, 30), versions
+
+
+def _parity_cpu(rank: int, world_size: int, layouts: list[Layout], nodes: int) -> None:
+    os.environ.update(launcher_node_env(rank))  # each rank its own launcher node, as above
+    _parity(rank, world_size, layouts, nodes, cuda=False)
+
+
+@pytest.mark.parametrize("nodes", [2, pytest.param(4, marks=pytest.mark.slow)], ids=["2x1", "4x1"])
+def test_nodes_parity_cpu(nodes):
+    """The emulated-node checks on CPU (gloo point-to-point): the stand-in where no GPU is."""
+    spawn(_parity_cpu, nodes, layouts_for(nodes), nodes)
