@@ -32,6 +32,8 @@ def test_defaults_are_stock_fsdp2():
         ({"rs_ctas": -1}, ["rs_ctas", ">= 0"]),
         ({"rs_rows": "2"}, ["rs_rows", "integer"]),
         ({"rs_inflight": 0}, ["rs_inflight", ">= 1"]),
+        ({"rs_wire_dtype": "bf16"}, ["rs_wire_dtype", "'bf16'", "float32", "bfloat16"]),
+        ({"rs_wire_dtype": "float16"}, ["rs_wire_dtype", "'float16'", "bfloat16"]),
         ({"slot_reuse": 1}, ["slot_reuse", "boolean"]),
         ({"slot_barrier": "spin"}, ["slot_barrier", "'spin'", "kernel"]),
         ({"install_timeout_s": 0}, ["install_timeout_s", ">= 1"]),
@@ -53,8 +55,9 @@ def test_tide_options_forwarded_only_for_tide():
     tide = Tide(comm="tide", ag_transport="nccl_p2p", local_world_size=1, ag_pacing=4,
                 reduce_scatter="fsdp2", rs_ctas=8, slot_barrier="kernel")
     assert tide.comm_options() == {
-        "transport": "nccl_p2p", "local_world_size": 1, "pacing": 4, "reduce_scatter": "fsdp2",
-        "rs_ctas": 8, "rs_rows": 2, "rs_inflight": 2, "slot_reuse": True,
+        "transport": "nccl_p2p", "local_world_size": 1, "pacing": 4,
+        "cross_node_transport": "auto", "reduce_scatter": "fsdp2", "rs_ctas": 8, "rs_rows": 2,
+        "rs_inflight": 2, "rs_wire_dtype": "float32", "slot_reuse": True,
         "slot_barrier": "kernel", "install_timeout_s": 120,
     }
     assert tide.options_ignored_by_mode() == []
@@ -77,7 +80,8 @@ def test_one_validation_for_toml_and_comm_apply():
     from torchtitan_tide.comm.options import TideOptionError
 
     for key, kwarg, value in (("ag_pacing", "pacing", -2), ("rs_rows", "rs_rows", 0),
-                              ("ag_transport", "transport", "nvls")):  # fmt: skip
+                              ("ag_transport", "transport", "nvls"),
+                              ("rs_wire_dtype", "rs_wire_dtype", "fp8")):  # fmt: skip
         with pytest.raises(TideConfigError) as toml_error:
             validate_tide_table({key: value})
         with pytest.raises(TideOptionError) as apply_error:

@@ -65,6 +65,14 @@ class Tide:
     """TIDE-AG cross-node pacing: the most point-to-point chunks in flight per
     recursive-doubling step. 0: no limit. Only read when comm = "tide"."""
 
+    cross_node_transport: str = _DEFAULT.cross_node_transport
+    """What moves TIDE's cross-node traffic (TIDE-AG of groups with one rank per node,
+    TIDE-RS phase 2). "auto": NCCL's one-sided puts (no send/recv kernel: copy engine in
+    reach of NVLink, NCCL's RMA proxy over IB/RoCE) where the loaded NCCL is >= 2.29 and
+    reports host RMA between the group's ranks, else point-to-point send/recv (the reason
+    is logged). "p2p": always send/recv. "nccl_one_sided": one-sided or a named error.
+    Only read when comm = "tide"."""
+
     reduce_scatter: str = _DEFAULT.reduce_scatter
     """Reduce-scatter under comm = "tide". "tide": TIDE-RS (bf16 gradients read in place,
     fp32 accumulation by a few-CTA kernel, cross-node phase over point-to-point).
@@ -82,6 +90,13 @@ class Tide:
 
     rs_inflight: int = _DEFAULT.rs_inflight
     """TIDE-RS cross-node phase: fp32 partials allowed to wait for the network at once."""
+
+    rs_wire_dtype: str = _DEFAULT.rs_wire_dtype
+    """TIDE-RS cross-node phase: dtype of the partials on the wire. "float32" (default):
+    exact fp32 partials. "bfloat16": each node's fp32 partial is rounded once to bf16 before
+    it is sent (half the cross-node bytes), the owner accumulates in fp32; costs one bf16
+    rounding (relative 2^-8) per other node's partial, also with fp32 gradients (measured
+    in docs/2026-12-02-rs-wire.md). No effect on one node."""
 
     slot_reuse: bool = _DEFAULT.slot_reuse
     """Copy engine: TIDE-RS stages gradients in TIDE-AG's symmetric slots instead of a

@@ -17,8 +17,8 @@ backward; the optimizer and grad-norm clip after the last reduce-scatter; the tr
 per-step host time last. Streams: ``compute``; ``nccl`` (fsdp2 and symm_mem all-gathers
 and every stock reduce-scatter: one NCCL communicator serializes them); ``ce`` (TIDE-AG:
 cross-node phase, then node-local copy-engine phase, back to back); ``rs_local`` and
-``rs_net`` (TIDE-RS's node-local reduce and cross-node fp32 partials, pipelined across
-groups, at most ``[tide] rs_inflight`` partials in flight). fsdp2 / symm_mem /
+``rs_net`` (TIDE-RS's node-local reduce and cross-node partials, fp32 or ``[tide]
+rs_wire_dtype``, pipelined across groups, at most ``[tide] rs_inflight`` partials in flight). fsdp2 / symm_mem /
 tide_ag put their layout copies on the compute stream: the AG copy-out before each
 gather's compute, chunk_cat (the RS copy-in) after each backward, the AG copy-in ahead of
 each gather on its stream. Compute slows by the measured GEMM interference of its shape class while an
@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_tide.comm.memory_plan import MODES, GroupShape, group_shard_numel
+from torchtitan_tide.comm.options import RS_WIRE_ITEMSIZE
 from torchtitan_tide.config import tomllib
 from torchtitan_tide.simulate_engine import COMPUTE, Op, Span, simulate, summarize
 
@@ -467,8 +468,11 @@ def build_ops(
     cluster: Cluster,
     dtypes: Any,
     rs_inflight: int = 2,
+    rs_wire_bytes: int = 4,
 ) -> list[Op]:
-    """The ops of one step of ``mode`` (see the module docstring), in issue order."""
+    """The ops of one step of ``mode`` (see the module docstring), in issue order.
+    ``rs_wire_bytes``: bytes per element of TIDE-RS's cross-node partials
+    (``[tide] rs_wire_dtype``: 4 fp32, 2 bf16)."""
     if mode not in MODES:
         raise SimulateError(f"mode {mode!r}: choose from {MODES}")
     comm = lay.world > 1
@@ -568,7 +572,7 @@ def build_ops(
         if lay.nodes == 1:
             rs_done.append(local)
             continue
-        cross = 1e3 * (lay.nodes - 1) * s * 4 / (net * GIB)
+        cross = 1e3 * (lay.nodes - 1) * s * rs_wire_bytes / (net * GIB)
         rs_net.append(add(f"{g.name}.rs_net", "rs_net", cross, "net", after=[local], group=g.name))
         rs_done.append(rs_net[-1])
     shard = sum(group_shard_numel(g, lay.world) if comm else g.numel for g in groups)
@@ -580,10 +584,12 @@ def build_ops(
 
 
 def simulate_step(
-    groups, inputs, mode, lay, cluster, dtypes, rs_inflight=2
+    groups, inputs, mode, lay, cluster, dtypes, rs_inflight=2, rs_wire_bytes=4
 ) -> tuple[dict, list[Span]]:
     """(summary figures, spans) of one simulated step."""
-    spans = simulate(build_ops(groups, inputs, mode, lay, cluster, dtypes, rs_inflight))
+    spans = simulate(
+        build_ops(groups, inputs, mode, lay, cluster, dtypes, rs_inflight, rs_wire_bytes)
+    )
     return summarize(spans), spans
 
 
@@ -620,8 +626,9 @@ def simulate_config(
     rows, spans = [], {}
     for mode in modes:
         fig, sp = simulate_step(
-            cm.groups, inputs, mode, lay, cluster, cm.dtypes, cm.tide.rs_inflight
-        )
+            cm.groups, inputs, mode, lay, cluster, cm.dtypes, cm.tide.rs_inflight,
+            RS_WIRE_ITEMSIZE[cm.tide.rs_wire_dtype],
+        )  # fmt: skip
         rows.append({"config": cm.path.stem, "gpus": gpus, "nodes": lay.nodes, "mode": mode,
                      **{f"sim_{k}": v for k, v in fig.items()}})  # fmt: skip
         spans[mode] = sp

@@ -22,7 +22,6 @@ from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_
 from torchtitan.tools.logging import logger
 
 from torchtitan_tide import comm
-from torchtitan_tide.comm import nccl_library
 from torchtitan_tide.comm.group_sizes import check_local_world_size, fsdp_group_sizes
 from torchtitan_tide.comm.install import TideInstallError
 from torchtitan_tide.comm.options import TideOptionError
@@ -142,24 +141,21 @@ def _job_wide_failure(
 
 
 def nccl_version_string() -> str:
-    """The NCCL version loaded by this process (the library's own ``ncclGetVersion``: a
-    library swapped in torch's place reports itself, while ``torch.cuda.nccl.version()``
-    keeps the version torch was built with, named where they differ), or why there is none."""
+    """The NCCL version loaded by this process, or why there is none."""
     if not torch.cuda.is_available():
         return "no CUDA, NCCL not loaded"
+    from torchtitan_tide.comm.transport import nccl_rma
+
     try:
         built = ".".join(str(v) for v in torch.cuda.nccl.version()[:3])
     except (RuntimeError, AttributeError) as exc:
-        return f"NCCL version unknown ({exc})"
-    try:
-        found = nccl_library.torch_nccl()
-    except (OSError, RuntimeError, AttributeError):  # no readable library: torch's word
-        found = None
-    if found is None:
+        built = f"unknown ({exc})"
+    # ncclGetVersion of the library this process mapped: torch reports the version it
+    # was built against, also after the library was replaced (README, NCCL section).
+    loaded = nccl_rma.version_text(nccl_rma.nccl_version())
+    if loaded in ("none", built):
         return f"NCCL {built}"
-    path, version = found
-    loaded = ".".join(str(v) for v in version)
-    return f"NCCL {loaded}" if loaded == built else f"NCCL {loaded} ({path}; torch built with {built})"
+    return f"NCCL {loaded} loaded ({nccl_rma.library_path()}; torch built with {built})"
 
 
 def check_group_sizes(tide: Tide, parallel_dims: ParallelDims) -> None:

@@ -124,8 +124,17 @@ def machine_name() -> str:
 
 
 def _nccl_version() -> str | None:
+    """The NCCL this process loaded (``ncclGetVersion``: torch reports the version it was
+    built with, also after the library was replaced), else torch's report, else None."""
     import torch
 
+    try:
+        from torchtitan_tide.comm.transport import nccl_rma
+
+        if (code := nccl_rma.nccl_version()) is not None:
+            return nccl_rma.version_text(code)
+    except ImportError:
+        pass
     try:
         v = torch.cuda.nccl.version()
     except Exception:  # noqa: BLE001 - CPU builds have no NCCL

@@ -147,17 +147,19 @@ def _entry(
     args: tuple,
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    os.environ.update(dict(env))  # before the process group (and NCCL) exists
+    # before the process group (and NCCL) exists; "{rank}" in a value: this rank's number
+    os.environ.update({k: v.replace("{rank}", str(rank)) for k, v in env})
     os.environ.pop("LOCAL_WORLD_SIZE", None)
     timeout = datetime.timedelta(seconds=TIMEOUT_S)
-    if device_type == "cuda":
-        torch.cuda.set_device(rank)
+    if device_type in ("cuda", "cuda:0"):
+        gpu = 0 if device_type == "cuda:0" else rank  # "cuda:0": every rank on GPU 0
+        torch.cuda.set_device(gpu)
         dist.init_process_group(
             "nccl",
             rank=rank,
             world_size=world,
             timeout=timeout,
-            device_id=torch.device("cuda", rank),
+            device_id=torch.device("cuda", gpu),
         )
     else:
         torch.set_num_threads(1)
@@ -175,18 +177,24 @@ def spawn(
     device_type: str,
     args: tuple = (),
     env: tuple[tuple[str, str], ...] = (),
+    start_method: str = "spawn",
 ) -> None:
     """Run ``worker(rank, world, *args)`` in ``world`` spawned processes, each in a
-    process group of all of them (``"cuda"``: NCCL on GPU ``rank``; ``"cpu"``:
-    gloo) created after ``env`` is set. Raises when a process fails."""
+    process group of all of them (``"cuda"``: NCCL on GPU ``rank``; ``"cuda:0"``: NCCL,
+    every rank on GPU 0, for emulated nodes; ``"cpu"``: gloo) created after ``env`` is
+    set (``{rank}`` in a value is replaced by the rank). Raises when a process fails.
+    ``start_method="fork"`` (CPU only: CUDA cannot be forked) saves each process
+    the imports of a fresh interpreter."""
     import torch.multiprocessing as mp
 
+    if start_method == "fork" and device_type != "cpu":
+        raise ValueError("spawn: start_method='fork' is for CPU ranks only")
     mp.start_processes(
         _entry,
         args=(world, free_port(), device_type, tuple(env), worker, tuple(args)),
         nprocs=world,
         join=True,
-        start_method="spawn",
+        start_method=start_method,
     )
 
 
@@ -380,12 +388,16 @@ class ParamBlock(nn.Module):
 
 
 def build_fsdp_layer(
-    spec: LayerSpec, device: torch.device, before_init: Callable[[nn.Module], object] | None = None
+    spec: LayerSpec,
+    device: torch.device,
+    before_init: Callable[[nn.Module], object] | None = None,
+    reduce_dtype: torch.dtype = torch.float32,
 ) -> tuple[ParamBlock, Any]:
     """``spec`` as one FSDP module / group: fp32 master parameters, bf16 param dtype,
-    fp32 reduce dtype. ``before_init(module)`` runs after ``fully_shard`` and before
-    FSDP's lazy init, where training applies the comm mode; then the module is lazily
-    initialized as the root (FSDP's streams exist without a forward). On gloo the
+    ``reduce_dtype`` (fp32 unless given). ``before_init(module)`` runs after
+    ``fully_shard`` and before FSDP's lazy init, where training applies the comm
+    mode; then the module is lazily initialized as the root (FSDP's streams exist
+    without a forward). On gloo the
     reduction is forced to SUM + divide (gloo has no AVG). Returns (module, its
     FSDPParamGroup)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -393,7 +405,7 @@ def build_fsdp_layer(
     from torchtitan_tide.comm.fsdp_patch import fsdp_param_groups
 
     block = ParamBlock(spec, device)
-    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
     fully_shard(block, mp_policy=mp_policy)
     if device.type == "cpu" and hasattr(block, "set_force_sum_reduction_for_comms"):
         block.set_force_sum_reduction_for_comms(True)

@@ -9,10 +9,11 @@
 #   tests         GPU-marked pytest tests (incl. every benchmark at a small size)  ~2-3 min
 #                 (1 GPU: the 2-GPU tests skip; the rest ~1.5 min); not the emulation ones
 #   emulation     multi-node paths on GPU 0 (docs/2026-12-02-emulation.md)          < 5 min
-#                 1. `-m "gpu and emulation" -k "not one_node"` on the bundled NCCL: emulated
+#                 1. `-m "gpu and emulation and not one_node"` on the bundled NCCL: emulated
 #                    nodes (NCCL_HOSTID) parity vs FSDP2, training losses, stopped node
-#                 2. the one_node tests with .nccl/'s NCCL (>= 2.30) swapped in for them
-#                    (scripts/gpu/nccl_swap.sh; restored after); skipped without .nccl/
+#                 2. `-m "gpu and emulation and one_node"` (ranks of ONE NCCL node sharing the
+#                    GPU, the one-sided transport) with .nccl/'s NCCL (>= 2.30) swapped in for
+#                    them (scripts/gpu/nccl_swap.sh; restored after); skipped without .nccl/
 #   floor         bench_floor per config in FLOOR_CONFIGS, on GPU 0 only (1 GPU is enough):
 #                 the compute floor the step rows' gap_to_floor_pct refers to
 #                 ~40 s llama, ~30 s qwen3, ~2 min wan22 (7.5 s per fwd+bwd)
@@ -80,13 +81,13 @@ if has emulation; then
   nccl_line() { grep -E 'NCCL version|^NCCL [0-9.]+ in use' "$1" | tail -2 | paste -sd '|' -; }
   run nccl_bundled 60 python3 scripts/gpu/nccl_version.py
   note "  $(nccl_line "$LOGS/nccl_bundled.log")"
-  run emulation_nodes 270 python3 -m pytest -q -m "gpu and emulation" -k "not one_node" tests \
+  run emulation_nodes 270 python3 -m pytest -q -m "gpu and emulation and not one_node" tests \
     -p no:cacheprovider
   note "  $(tail -1 "$LOGS/emulation_nodes.log")"
   if [[ -d .nccl ]]; then
     # The newer NCCL only for this sub-stage: torch 2.11's symm_mem mode needs the bundled one.
-    run emulation_one_node 150 bash scripts/gpu/nccl_swap.sh .nccl -- bash -c \
-      'python3 scripts/gpu/nccl_version.py && python3 -m pytest -q -m "gpu and emulation" -k one_node tests -p no:cacheprovider'
+    run emulation_one_node 240 bash scripts/gpu/nccl_swap.sh .nccl -- bash -c \
+      'python3 scripts/gpu/nccl_version.py && python3 -m pytest -q -m "gpu and emulation and one_node" tests -p no:cacheprovider'
     note "  $(nccl_line "$LOGS/emulation_one_node.log")"
     note "  $(grep -E '(passed|failed|skipped|error)' "$LOGS/emulation_one_node.log" | tail -1)"
     run nccl_restored 60 python3 scripts/gpu/nccl_version.py

@@ -39,9 +39,15 @@ want=$(awk '$2 ~ /(^|\/)libnccl\.so\.2$/ {print $1; exit}' "$src/sha256.txt" 2>/
 target="${NCCL_LIB:-}"
 if [[ -z "$target" ]]; then
   # The file torch maps at import (its RPATH copy), else the nvidia-nccl wheel's.
-  target=$(PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c 'import torch
-from torchtitan_tide.comm.nccl_library import bundled_library_path, loaded_library
-print(loaded_library() or bundled_library_path() or "")') || target=""
+  target=$(PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c 'import os
+from torchtitan_tide.comm.transport.nccl_rma import library_path
+def wheel():
+    try:
+        import nvidia.nccl
+    except ImportError:
+        return ""
+    return os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2")
+print(library_path() or wheel())') || target=""
   [[ -n "$target" ]] || die "torch's libnccl.so.2 not found (not mapped by torch, no nvidia.nccl package); set NCCL_LIB=/path/to/libnccl.so.2"
 fi
 [[ -f "$target" ]] || die "$target (the library to replace) does not exist; set NCCL_LIB"

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
-from torchtitan_tide.comm.nccl_library import torch_nccl
+from torchtitan_tide.comm.transport import nccl_rma
 
 
 def main() -> int:
@@ -36,9 +36,9 @@ def main() -> int:
     finally:
         dist.destroy_process_group()
     sys.stdout.flush()
-    path, version = torch_nccl() or ("?", (0, 0, 0))
+    loaded = nccl_rma.version_text(nccl_rma.nccl_version())
     built = ".".join(str(v) for v in torch.cuda.nccl.version()[:3])
-    print(f"NCCL {'.'.join(map(str, version))} in use ({path}); torch built with {built}")
+    print(f"NCCL {loaded} in use ({nccl_rma.library_path()}); torch built with {built}")
     return 0
 
 

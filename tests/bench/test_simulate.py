@@ -122,6 +122,9 @@ def test_tide_rs_phases_pipeline_across_groups():
     assert by["layers.2.rs"].start_ms < by["layers.3.rs_net"].end_ms
     last = max(s.end_ms for s in spans if s.op.name.endswith("rs_net"))
     assert last == pytest.approx(by["layers.3.rs"].start_ms + local + 4 * cross)
+    # [tide] rs_wire_dtype = "bfloat16": half the cross-node bytes, half the time
+    _, bf16 = sim.simulate_step(groups, inputs, "tide", lay, cluster, DTYPES, 4, rs_wire_bytes=2)
+    assert _by_name(bf16)["layers.3.rs_net"].op.duration_ms == pytest.approx(cross / 2)
 
 
 def test_tide_rs_run_ahead_bound_waits_for_partials():

@@ -8,7 +8,7 @@ Two modes (:data:`MODES`), each process one rank and its own launcher "node" (as
   NET/Socket (about 1.7 GiB/s); the bundled NCCL 2.28.9 does it.
 - ``"one_node"``: NCCL sees ONE node whose ranks share a GPU
   (``NCCL_MULTI_RANK_GPU_ENABLE=1``, no host ids): NCCL >= 2.30 in torch's place
-  (``nccl_library.multi_rank_gpu_unsupported`` says why not, for a skip).
+  (``nccl_rma.multi_rank_gpu_missing_reason`` says why not: the tests' skip reason).
 
 TIDE sees one node per process in both modes (torchrun's ``GROUP_RANK`` differs): its
 cross-node path runs. torch's CUDA symmetric memory refuses two ranks on one device, so

@@ -27,8 +27,6 @@ from _emulation import (
 )
 from train_helpers import run_bounded
 
-from torchtitan_tide.comm import nccl_library
-
 REPO = Path(__file__).resolve().parents[2]
 EMULATE = REPO / "scripts" / "gpu" / "emulate.sh"
 SWAP = REPO / "scripts" / "gpu" / "nccl_swap.sh"
@@ -174,39 +172,59 @@ def test_nccl_swap_refuses_a_damaged_build_and_a_swapped_target(swap_setup, tmp_
 # ------------------------------------------------------------------ NCCL's version and log
 
 
-def test_decode_version():
-    assert nccl_library.decode_version(22809) == (2, 28, 9)
-    assert nccl_library.decode_version(23007) == (2, 30, 7)
-    assert nccl_library.decode_version(2804) == (2, 8, 4)  # the old encoding, up to 2.8
+@pytest.fixture
+def stand_in_nccl(tmp_path, monkeypatch):
+    """``make(code)``: a libnccl.so.2 compiled here whose ncclGetVersion reports ``code``,
+    made the library nccl_rma finds in this process (as torch's mapped one would be)."""
+    if shutil.which("cc") is None:
+        pytest.skip("needs a C compiler")
+    import torch
+
+    from torchtitan_tide.comm.transport import nccl_rma
+
+    def make(code: int) -> str:
+        source = tmp_path / f"nccl{code}.c"
+        source.write_text(
+            f"int ncclGetVersion(int *v) {{ *v = {code}; return 0; }}\n"
+            'const char *ncclGetErrorString(int r) { return "stand-in"; }\n'
+            'const char *ncclGetLastError(void *c) { return ""; }\n'
+        )
+        lib = tmp_path / str(code) / "libnccl.so.2"
+        lib.parent.mkdir()
+        subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib), str(source)], check=True)
+        monkeypatch.setattr(nccl_rma, "_lib", None)
+        monkeypatch.setattr(nccl_rma, "library_path", lambda: str(lib))
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        return str(lib)
+
+    return make
 
 
-def test_loaded_library_from_maps():
-    maps = (
-        "7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n"
-        "7f10-7f20 r-xp 00000000 08:01 2 /opt/venv/site-packages/nvidia/nccl/lib/libnccl.so.2 (deleted)\n"
+@pytest.mark.parametrize("code, refused", [(22809, True), (23007, False)])
+def test_multi_rank_gpu_verdict_from_the_loaded_library(stand_in_nccl, code, refused):
+    """The one-node tests' skip reason comes from the library's own ncclGetVersion."""
+    from torchtitan_tide.comm.transport import nccl_rma
+
+    lib = stand_in_nccl(code)
+    assert nccl_rma.nccl_version() == code
+    reason = nccl_rma.multi_rank_gpu_missing_reason()
+    assert (reason is not None) == refused, reason
+    if refused:
+        assert "NCCL 2.28.9" in reason and lib in reason and "nccl_swap.sh" in reason
+
+
+def test_run_log_names_a_swapped_nccl(stand_in_nccl, monkeypatch):
+    """The training log's NCCL version is the loaded library's own; where torch was built
+    with another (a swapped library), both, and the file, are named."""
+    import torch
+
+    from torchtitan_tide import train_specs
+
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 28, 9))
+    lib = stand_in_nccl(23007)
+    assert train_specs.nccl_version_string() == (
+        f"NCCL 2.30.7 loaded ({lib}; torch built with 2.28.9)"
     )
-    path = "/opt/venv/site-packages/nvidia/nccl/lib/libnccl.so.2"
-    assert nccl_library.loaded_library(maps) == path
-    assert nccl_library.loaded_library("7f00-7f01 r-xp 0 08:01 1 /usr/lib/libc.so.6\n") is None
-
-
-@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
-@pytest.mark.parametrize("code, unsupported", [(22809, True), (23007, False)])
-def test_library_version_calls_ncclGetVersion(tmp_path, code, unsupported, monkeypatch):
-    """A stand-in libnccl.so.2 whose ncclGetVersion reports ``code``: read through ctypes,
-    and the multi-rank-GPU verdict that the one-node tests skip on."""
-    source = tmp_path / "nccl.c"
-    source.write_text(f"int ncclGetVersion(int *v) {{ *v = {code}; return 0; }}\n")
-    lib = tmp_path / str(code) / "libnccl.so.2"
-    lib.parent.mkdir()
-    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib), str(source)], check=True)
-    version = nccl_library.library_version(str(lib))
-    assert version == nccl_library.decode_version(code)
-    monkeypatch.setattr(nccl_library, "torch_nccl", lambda: (str(lib), version))
-    reason = nccl_library.multi_rank_gpu_unsupported()
-    assert (reason is not None) == unsupported, reason
-    if unsupported:
-        assert "2.28.9" in reason and "nccl_swap.sh" in reason
 
 
 def test_nccl_log_readers(tmp_path):
@@ -269,19 +287,3 @@ def test_nccl_swap_restores_when_stopped(swap_setup, tmp_path):
             proc.kill()
     assert target.read_bytes() == b"bundled NCCL 2.28.9\n", log.read_text()
     assert "restored" in log.read_text()
-
-
-def test_run_log_names_the_nccl_in_use(monkeypatch):
-    """The training log's NCCL version is the loaded library's own; where torch was built
-    with another (a swapped library), both, and the file, are named."""
-    import torch
-
-    from torchtitan_tide import train_specs
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 28, 9))
-    lib = "/venv/nvidia/nccl/lib/libnccl.so.2"
-    monkeypatch.setattr(nccl_library, "torch_nccl", lambda: (lib, (2, 30, 7)))
-    assert train_specs.nccl_version_string() == f"NCCL 2.30.7 ({lib}; torch built with 2.28.9)"
-    monkeypatch.setattr(nccl_library, "torch_nccl", lambda: (lib, (2, 28, 9)))
-    assert train_specs.nccl_version_string() == "NCCL 2.28.9"

@@ -39,7 +39,7 @@ from _emulation import log_tail as nccl_log_tail
 from _harness import spawn
 from _layouts import Layout, run_layout
 
-from torchtitan_tide.comm.nccl_library import multi_rank_gpu_unsupported
+from torchtitan_tide.comm.transport.nccl_rma import multi_rank_gpu_missing_reason
 
 
 def gpu_emulation(test):
@@ -117,23 +117,28 @@ def test_emulated_nodes_parity(tmp_path, nodes):
     _check_nccl_nodes(str(tmp_path), lambda ranks: ranks, "NCCL_HOSTID per process")
 
 
-# TIDE options of the one-node test, one run each; the NCCL one-sided transport is added
-# here as {"cross_node_transport": "nccl_one_sided"} once [tide] has that key.
-ONE_NODE_TIDE_OPTIONS = [{}]
+# The one-node test's TIDE runs: ([tide] keys, the TIDE-AG transport class every group
+# must use). Under "auto" NCCL >= 2.30 sees host RMA within this one node and takes the
+# one-sided puts (docs/2026-12-02-one-sided.md), so each transport is named here.
+ONE_NODE_RUNS = [
+    ({"cross_node_transport": "p2p"}, "P2PTransport"),
+    ({"cross_node_transport": "nccl_one_sided"}, "OneSidedAllGather"),
+]
 
 
 @gpu_emulation
+@pytest.mark.one_node
 @pytest.mark.parametrize(
-    "tide", ONE_NODE_TIDE_OPTIONS, ids=[",".join(f"{k}={v}" for k, v in o.items()) or "auto"
-                                        for o in ONE_NODE_TIDE_OPTIONS]
-)  # fmt: skip
-def test_one_node_parity(tmp_path, tide):
+    "tide, ag_transport", ONE_NODE_RUNS, ids=[o["cross_node_transport"] for o, _ in ONE_NODE_RUNS]
+)
+def test_one_node_parity(tmp_path, tide, ag_transport):
     """2 ranks on GPU 0 that NCCL sees as ONE node (NCCL_MULTI_RANK_GPU_ENABLE=1), TIDE
     as 2 nodes x 1: its cross-node path over NCCL's same-GPU transport."""
-    reason = multi_rank_gpu_unsupported()
+    reason = multi_rank_gpu_missing_reason()
     if reason is not None:
         pytest.skip(reason)
-    spawn_emulated(_parity, 2, layouts_for(2, tide), 2, mode="one_node", timeout_s=150,
+    layouts = [replace(layout, expect_transport=ag_transport) for layout in layouts_for(2, tide)]
+    spawn_emulated(_parity, 2, layouts, 2, mode="one_node", timeout_s=150,
                    nccl_log_dir=str(tmp_path))  # fmt: skip
     _check_nccl_nodes(str(tmp_path), lambda ranks: 1, "NCCL_MULTI_RANK_GPU_ENABLE")
     versions = nccl_versions(str(tmp_path))  # NCCL's own word, not torch.cuda.nccl.version()

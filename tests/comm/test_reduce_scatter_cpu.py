@@ -459,3 +459,177 @@ def test_rs_push_slices_skip_padding():
     layout = WorldLayout(2, 2)
     window = rs_schedule(layout, 0, rows=1)[1]
     assert rs_push_slices(layout, window, segments) == [RSSlice(1, 0, 0, 49, 0, 42)]
+
+
+# ---------------------------------------------------------------- bf16 on the wire
+
+EPS_BF16 = 2.0**-8  # unit roundoff of bf16 (8 significant bits), round to nearest
+
+
+def _bf16_nearest_even(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 bits by integer arithmetic (finite values): round the low 16
+    bits to nearest, ties to even. Independent of torch's cast."""
+    bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return rounded.to(torch.int32).to(torch.int16)  # two's complement low 16 bits
+
+
+def test_round_to_wire_rounds_once_to_nearest_even():
+    from torchtitan_tide.comm import reduce_scatter as tide_rs
+    from torchtitan_tide.comm.reduce_scatter import RSBuffers, round_to_wire
+
+    one = 1.0
+    ties = [one + 2**-8, one + 3 * 2**-8, -(one + 2**-8), 2.0**100 * (one + 2**-8)]
+    near = [one + 2**-8 + 2**-20, one + 2**-8 - 2**-20, 3.0e38, 2.0**-130, -(2.0**-140)]
+    gen = torch.Generator().manual_seed(5)
+    wide = torch.randn(4096, generator=gen) * 2.0 ** torch.randint(-60, 60, (4096,), generator=gen)
+    partial = torch.cat([torch.tensor(ties + near + [0.0, -0.0]), wide])
+    buffers = RSBuffers(inflight=1, wire_dtype=torch.bfloat16)
+    tide_rs.set_poison(float("nan"))
+    try:
+        sent = round_to_wire(partial, buffers)
+    finally:
+        tide_rs.set_poison(None)
+    assert sent.dtype == torch.bfloat16 and sent.data_ptr() == buffers.send.data_ptr()
+    assert torch.equal(sent.view(torch.int16), _bf16_nearest_even(partial))
+    # Ties go to the even significand: 1 + 2^-8 -> 1, 1 + 3 * 2^-8 -> 1 + 2^-6.
+    assert sent[:3].float().tolist() == [1.0, 1.0 + 2**-6, -1.0]
+    err = (sent.double() - partial.double()).abs()
+    # One rounding: relative 2^-8 (normal numbers), half of bf16's subnormal spacing below.
+    normal = partial.abs() >= 2.0**-126
+    relative = EPS_BF16 * partial.double().abs()
+    assert (err[normal] <= relative[normal]).all() and (err <= relative + 2.0**-134).all()
+    assert round_to_wire(partial, RSBuffers(inflight=1)) is partial  # fp32 wire: as it is
+    again = round_to_wire(partial[:10] * 2, buffers)  # the same send buffer, reused
+    assert again.data_ptr() == buffers.send.data_ptr() and again.numel() == 10
+    # The torch-free itemsizes (simulator) match the dtypes the option selects.
+    from torchtitan_tide.comm.options import RS_WIRE_ITEMSIZE
+    from torchtitan_tide.comm.reduce_scatter import WIRE_DTYPES
+
+    assert {k: v.itemsize for k, v in WIRE_DTYPES.items()} == RS_WIRE_ITEMSIZE
+
+
+def test_one_sided_wire_slot_is_window_memory_no_peer_writes():
+    """The bf16 send buffer of the one-sided phase 2 is a view of the registered window
+    (puts read registered memory), disjoint from the fp32 partial ring and from every
+    receive region a peer puts into, and holds the largest partial in bf16."""
+    from types import SimpleNamespace
+
+    from torchtitan_tide.comm.transport.one_sided import OneSidedCrossNode, rs_window_bytes
+
+    nodes, inflight, shard_bytes = 4, 2, 1000 * 4
+    buf = torch.zeros(rs_window_bytes(nodes, inflight, shard_bytes), dtype=torch.uint8)
+    window = SimpleNamespace(tensor=buf, ptr=buf.data_ptr(), nbytes=buf.numel())
+    rs = OneSidedCrossNode(None, window, nodes, inflight, shard_bytes, "g")
+    wire = rs.wire_slot(torch.bfloat16)
+    start = wire.data_ptr() - buf.data_ptr()
+    used = {(0, inflight * rs.region_bytes)}  # the partial ring
+    used |= {(rs._recv_offset(p, s), rs._recv_offset(p, s) + rs.region_bytes)
+             for p in (0, 1) for s in range(1, nodes)}  # fmt: skip
+    end = start + wire.numel() * 2
+    assert wire.dtype == torch.bfloat16 and wire.numel() >= shard_bytes // 4
+    assert 0 <= start and end <= buf.numel()
+    assert all(end <= lo or hi <= start for lo, hi in used), (start, end, sorted(used))
+
+
+def _node_partials(
+    mine: dict[str, torch.Tensor], world: int, lws: int
+) -> dict[str, list[torch.Tensor]]:
+    """Per parameter, every node's exact (float64) sum of its ranks' gradients."""
+    out = {}
+    for name, g in mine.items():
+        gathered = [torch.empty_like(g, dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(gathered, g.double())
+        out[name] = [sum(gathered[n * lws : (n + 1) * lws]) for n in range(world // lws)]
+    return out
+
+
+def _wire_worker(rank: int, world: int, lws: int, param_dtype) -> None:
+    """Two models reduce the same gradients, fp32 and bf16 on the wire. fp32 wire:
+    within the fp32 bound of the float64 mean. bf16 wire: within that plus one bf16
+    rounding of every other node's partial (relative 2^-8 of |that partial| / world),
+    and not bitwise the fp32-wire result (bitwise it, where every partial is one bf16
+    gradient). Phase 2 sends (nodes - 1) x shard x itemsize of the wire dtype."""
+    from torchtitan_tide import comm
+    from torchtitan_tide.comm import reduce_scatter as tide_rs
+
+    tide_rs.set_poison(float("nan"))
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    for name in ("torchtitan_tide.comm.reduce_scatter", "torchtitan_tide.comm.install"):
+        logging.getLogger(name).addHandler(handler)
+        logging.getLogger(name).setLevel(logging.INFO)
+    nodes, node = world // lws, rank // lws
+    grad_dtype = param_dtype or torch.float32
+    models = {wire: _build(param_dtype) for wire in ("float32", "bfloat16")}
+    for wire, model in models.items():
+        comm.apply(model, "tide", local_world_size=lws, rs_wire_dtype=wire)
+    states = {wire: _param_group(m)._tide_rs_state for wire, m in models.items()}
+    assert states["bfloat16"].buffers.wire_dtype == torch.bfloat16
+    gen = torch.Generator().manual_seed(500 + rank)
+    total: dict[str, torch.Tensor] = {}
+    magnitude: dict[str, torch.Tensor] = {}
+    other_nodes: dict[str, torch.Tensor] = {}  # sum over reduces of |other nodes' partials|
+    differs = 0
+    for step in range(2):  # the second reduce accumulates into the existing .grad
+        mine = _random_grads(models["float32"], grad_dtype, gen)
+        shard_numel = sum(
+            fp._sharded_param_data.numel()
+            for name, fp in _named_fsdp_params(models["float32"])
+            if name in mine
+        )
+        sent_before = {wire: s.buffers.sent_bytes for wire, s in states.items()}
+        for model in models.values():
+            _reduce(model, mine)
+        for wire, itemsize in (("float32", 4), ("bfloat16", 2)):
+            sent = states[wire].buffers.sent_bytes - sent_before[wire]
+            assert sent == (nodes - 1) * shard_numel * itemsize, (wire, sent, shard_numel)
+        _add_reference(mine, world, total, magnitude)
+        for name, parts in _node_partials(mine, world, lws).items():
+            others = sum(p.abs() for n, p in enumerate(parts) if n != node) / world
+            other_nodes[name] = other_nodes.get(name, 0) + others
+        for name in mine:
+            chunk = -(-mine[name].shape[0] // world)
+            rows = dict(models["float32"].named_parameters())[name].grad.to_local().shape[0]
+            window = slice(rank * chunk, rank * chunk + rows)
+            ref = total[name][window]
+            fp32_bound = (world + 3) * EPS32 * magnitude[name][window]
+            got = {}
+            for wire, model in models.items():
+                local = dict(model.named_parameters())[name].grad.to_local().double()
+                assert not torch.isnan(local).any(), (wire, name, step)
+                got[wire] = local
+            err32 = (got["float32"] - ref).abs()
+            assert (err32 <= fp32_bound + 1e-30).all(), (name, err32.max().item())
+            bound16 = EPS_BF16 * other_nodes[name][window] + (1 + EPS_BF16) * fp32_bound
+            err16 = (got["bfloat16"] - ref).abs()
+            assert (err16 <= bound16 + 1e-30).all(), (name, (err16 / bound16).max().item())
+            differs += int(not torch.equal(got["float32"], got["bfloat16"]))
+    if lws == 1 and grad_dtype == torch.bfloat16:
+        # One rank per node: each partial IS a bf16 gradient, the rounding is exact.
+        assert differs == 0, "bf16 wire changed partials that are bf16 already"
+    else:
+        assert differs > 0, "bf16 wire gave the fp32-wire result bitwise: no rounding ran"
+    assert all(s.calls == 2 for s in states.values())
+    first = [m for m in records if "first reduce" in m]
+    for wire in ("bf16", "fp32"):
+        assert any(f"cross-node p2p, wire {wire}" in m for m in first), first
+    if rank == 0:  # the install decision lines (rank 0 logs them all)
+        decisions = [m for m in records if m.startswith("TIDE group") and "TIDE-RS" in m]
+        for wire in ("bf16", "fp32"):
+            assert any(f"partials in flight, wire {wire}" in m for m in decisions), decisions
+    for model in models.values():
+        comm.remove(model)
+    tide_rs.set_poison(None)
+
+
+@pytest.mark.parametrize(
+    "world,lws,param_dtype",
+    [(4, 2, torch.bfloat16), (4, 1, torch.bfloat16), (2, 1, None)],
+    ids=["2x2-bf16-grads", "4x1-bf16-grads", "2x1-fp32-grads"],
+)
+def test_bf16_wire_within_one_rounding_per_partial(world, lws, param_dtype):
+    """[tide] rs_wire_dtype = "bfloat16" against the float64 reference and the fp32
+    wire, on several node layouts; fp32 gradients are rounded on the wire too."""
+    spawn(_wire_worker, world, lws, param_dtype)

@@ -25,14 +25,18 @@ pytestmark = [
 DEADLINE_S = 5.0
 
 
-def _stalled_peer(rank: int, world_size: int, options: dict, dump_folder: str) -> None:
+def _stalled_peer(
+    rank: int, world_size: int, options: dict, dump_folder: str, gpu: int | None = None
+) -> None:
+    """Rank 1 stops before step 2; rank 0 must be ended by its watchdog. ``gpu``: the GPU
+    of every rank (emulated nodes on one GPU), default each rank its own."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
     from torchtitan_tide import comm
     from torchtitan_tide.comm import watchdog
 
-    device = torch.device("cuda", rank)
+    device = torch.device("cuda", rank if gpu is None else gpu)
     model = build(Scenario(bf16=True), device)
     comm.apply(model, "tide", **options)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -73,13 +77,19 @@ def _stalled_peer(rank: int, world_size: int, options: dict, dump_folder: str) -
     ids=["copy_engine-barrier", "kernel-barrier", "nccl_p2p-2x1"],
 )
 def test_stalled_peer_fails_the_other_rank_within_the_deadline(tmp_path, options):
-    from torchtitan_tide.comm import watchdog
-
     ctx = mp.start_processes(
         _entry,
         args=(2, free_port(), "cuda", _stalled_peer, (options, str(tmp_path))),
         nprocs=2, join=False, start_method="spawn",
     )  # fmt: skip
+    check_survivor_ended_by_watchdog(ctx, tmp_path)
+
+
+def check_survivor_ended_by_watchdog(ctx, tmp_path) -> None:
+    """Rank 0 of ``ctx`` (running ``_stalled_peer``) exits with the watchdog's code within
+    the deadline and its report names rank 1; every process is gone afterwards."""
+    from torchtitan_tide.comm import watchdog
+
     survivor = ctx.processes[0]
     try:
         survivor.join(120)  # start-up and the first step, then the deadline

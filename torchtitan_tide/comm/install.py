@@ -31,15 +31,22 @@ from .fsdp_internals import fsdp_param_groups
 from .memory_plan import slot_sizes
 from .options import TideOptions
 from .plan import ParamSpec, WorldLayout, build_group_plan
-from .reduce_scatter import RSBuffers, TideRSState
+from .reduce_scatter import WIRE_DTYPES, RSBuffers, TideRSState, wire_label
 from .setup_steps import SetupSteps
 from .transport import (
     AllGatherTransport,
     ReduceScatterTransport,
     clear_global_ranks,
     group_global_ranks,
+    nccl_rma,
 )
 from .transport.copy_engine import CopyEngineTransport, SymmSlots
+from .transport.one_sided import (
+    OneSidedAllGather,
+    OneSidedCrossNode,
+    ag_window_bytes,
+    rs_window_bytes,
+)
 from .transport.p2p import P2PTransport
 
 __all__ = ["TideConfigError", "TideContext", "TideInstallError", "install", "uninstall"]
@@ -57,6 +64,7 @@ class TideContext:
     groups: list = field(default_factory=list)  # FSDPParamGroup marked for TIDE
     slots: list = field(default_factory=list)  # SymmSlots
     node_groups: list = field(default_factory=list)  # node-local process groups made here
+    rma_comms: list = field(default_factory=list)  # nccl_rma.RmaComm of the one-sided path
     forward_hook: object = None  # RemovableHandle of the bypass check
 
 
@@ -313,7 +321,9 @@ def _connect_slots(
             def rendezvous() -> SymmSlots:
                 on_device = torch.cuda.device(p.device) if p.device.type == "cuda" else None
                 with on_device or contextlib.nullcontext():  # the helper thread's device
-                    return SymmSlots.connect(buffer, group, p.device, options.slot_barrier, exchange)
+                    return SymmSlots.connect(
+                        buffer, group, p.device, options.slot_barrier, exchange
+                    )
 
             return steps.run(f"{what} symmetric-memory rendezvous", scope, peers, rendezvous)
 
@@ -345,11 +355,173 @@ def _node_local_group(
     return node_group
 
 
+@dataclass
+class _OneSided:
+    """The one-sided transports of one (process group, device); None where not used."""
+
+    ag: OneSidedAllGather | None = None
+    rs: OneSidedCrossNode | None = None
+
+
+def _one_sided_wanted(
+    members: list[_Candidate], options: TideOptions
+) -> tuple[bool, bool, str | None]:
+    """``(for TIDE-AG, for TIDE-RS phase 2, why not)`` of one process group's candidates,
+    before any collective: the AG of groups with one rank per node, the RS phase 2 of any
+    multi-node TIDE-RS group; ``why not``: this process cannot use the API at all."""
+    c = members[0]
+    layout = c.layout
+    assert layout is not None
+    want_ag = any(m.kind == "p2p" and layout.local_world_size == 1 for m in members)
+    want_rs = options.reduce_scatter == "tide" and any(
+        m.pg._reduce_scatter_process_group is m.group for m in members
+    )
+    if c.device.type != "cuda" or "nccl" not in str(dist.get_backend(c.group)).lower():
+        return want_ag, want_rs, "needs CUDA parameters and an NCCL process group"
+    return want_ag, want_rs, nccl_rma.one_sided_missing_reason()
+
+
+class _SoftSteps:
+    """One group's one-sided set-up steps: each a bounded collective (``SetupSteps``)
+    whose NCCL error is an outcome every rank learns (one exchange), not a failure."""
+
+    def __init__(self, steps: SetupSteps, scope: str, peers: list[int]) -> None:
+        self.steps, self.scope, self.peers = steps, scope, peers
+
+    def exchange(self, what: str, value: object) -> list:
+        return self.steps.exchange(what, self.scope, self.peers, value)
+
+    def attempt(self, what: str, fn):
+        """``(fn's value or None, None or every failing rank's error)``."""
+
+        def soft():
+            try:
+                return fn(), None
+            except nccl_rma.NcclError as e:
+                return None, str(e)
+
+        value, error = self.steps.run(what, self.scope, self.peers, soft)
+        bad = [(r, e) for r, e in enumerate(self.exchange(f"{what} outcome", error)) if e]
+        return value, "; ".join(f"group rank {r}: {e}" for r, e in bad) or None
+
+
+def _one_sided_side(
+    soft: _SoftSteps, c: _Candidate, uid: bytes, nbytes: int, made: list
+) -> tuple[tuple | None, str | None]:
+    """One communicator + host-RMA check + window of one side (TIDE-AG or TIDE-RS):
+    ``((comm, window), None)`` or ``(None, why not)``; communicators made go to ``made``."""
+    rank, size = c.group.rank(), c.group.size()
+    comm, failure = soft.attempt(
+        "one-sided NCCL communicator", lambda: nccl_rma.RmaComm.create(uid, rank, size, c.device)
+    )
+    if comm is None:
+        return None, failure
+    made.append(comm)
+    if failure is not None:
+        return None, failure
+    supported = soft.exchange("one-sided host RMA", comm.host_rma_supported())
+    lacking = [r for r, ok in enumerate(supported) if ok is False]
+    if lacking:
+        version = nccl_rma.version_text(nccl_rma.nccl_version())
+        return (
+            None,
+            f"NCCL {version} reports no host RMA between these nodes (group ranks {lacking})",
+        )
+    window, failure = soft.attempt("one-sided window", lambda: comm.register(nbytes))
+    return (None, failure) if failure is not None else ((comm, window), None)
+
+
+def _connect_one_sided(
+    taken: list[_Candidate],
+    options: TideOptions,
+    ctx: TideContext,
+    decisions: list[str],
+    install_seq: int,
+) -> dict[tuple, _OneSided]:
+    """The one-sided cross-node transports per (process group, device) of multi-node
+    candidates (``[tide] cross_node_transport``). Collective over each such group's ranks,
+    every step bounded by ``install_timeout_s``: two NCCL communicators of TIDE's own
+    (TIDE-AG, TIDE-RS: one signal protocol each), the host-RMA query and the window
+    registrations. Under ``"auto"`` an outcome short of one-sided on any rank (old NCCL,
+    no host RMA across these nodes, a NULL window) makes every rank of the group keep
+    send/recv, logged with the reason; under ``"nccl_one_sided"`` it raises ``ValueError``
+    naming it (install reports it on every rank)."""
+    choice = options.cross_node_transport
+    by_key: dict[tuple[int, torch.device], list[_Candidate]] = {}
+    for c in taken:
+        assert c.layout is not None
+        if c.layout.num_nodes > 1:
+            by_key.setdefault((id(c.group), c.device), []).append(c)
+    out: dict[tuple, _OneSided] = {}
+    if choice == "p2p":
+        for members in by_key.values():
+            decisions.append(
+                f"{members[0].fqn}: cross-node p2p (option cross_node_transport='p2p')"
+            )
+        return out
+    steps: SetupSteps | None = None  # made on the first group that tries (a store client)
+    for k, (key, members) in enumerate(by_key.items()):
+        c, layout = members[0], members[0].layout
+        assert layout is not None
+        want_ag, want_rs, failure = _one_sided_wanted(members, options)
+        if not (want_ag or want_rs):
+            continue
+        sides: list[tuple[str, int]] = []
+        if want_ag:
+            entry = max(fsdp_internals.shard_bytes(m.pg, "param", align=16) for m in members)
+            sides.append(("TIDE-AG", ag_window_bytes(layout.num_nodes, entry)))
+        rs_shard_bytes = 4 * max(
+            sum(fp._sharded_param_data.numel() for fp in m.pg.fsdp_params) for m in members
+        )
+        if want_rs:
+            sides.append(("TIDE-RS phase 2",
+                          rs_window_bytes(layout.num_nodes, options.rs_inflight, rs_shard_bytes)))  # fmt: skip
+        made: list[nccl_rma.RmaComm] = []
+        found: dict[str, tuple] = {}
+        if failure is None:
+            steps = steps or SetupSteps(install_seq, options.install_timeout_s)
+            peers = list(group_global_ranks(c.group))
+            soft = _SoftSteps(steps, f"onesided{k}/{zlib.crc32(repr(peers).encode()):08x}", peers)
+            ids = soft.exchange("one-sided unique ids", [
+                nccl_rma.new_unique_id() for _ in sides] if c.group.rank() == 0 else None)[0]  # fmt: skip
+            for (side, nbytes), uid in zip(sides, ids):
+                pair, failure = _one_sided_side(soft, c, uid, nbytes, made)
+                if failure is not None:
+                    break
+                found[side] = pair
+        if failure is not None:
+            for comm in made:
+                comm.abort()
+            if choice == "nccl_one_sided":
+                raise ValueError(
+                    f"[tide] cross_node_transport = 'nccl_one_sided' cannot run for {c.fqn}: "
+                    f"{failure}; use 'auto' (falls back to send/recv) or 'p2p'"
+                )
+            decisions.append(f"{c.fqn}: cross-node p2p (auto: {failure})")
+            continue
+        ctx.rma_comms.extend(made)
+        name = c.group.group_name
+        result = out[key] = _OneSided()
+        if "TIDE-AG" in found:
+            result.ag = OneSidedAllGather(*found["TIDE-AG"], options.pacing, name)
+        if "TIDE-RS phase 2" in found:
+            result.rs = OneSidedCrossNode(*found["TIDE-RS phase 2"], layout.num_nodes,
+                                          options.rs_inflight, rs_shard_bytes, name)  # fmt: skip
+        windows = ", ".join(f"{side} window {pair[1].nbytes} B" for side, pair in found.items())
+        stays = "" if want_ag else "; TIDE-AG across nodes stays send/recv (copy-engine slots)"
+        decisions.append(
+            f"{c.fqn}: cross-node nccl_one_sided ({'auto: ' if choice == 'auto' else ''}NCCL "
+            f"{nccl_rma.version_text(nccl_rma.nccl_version())} with host RMA; {windows}{stays})"
+        )
+    return out
+
+
 def _mark_groups(
     cands: list[_Candidate],
     options: TideOptions,
     ag_slots: dict,
     rs_slots: dict,
+    one_sided: dict[tuple, _OneSided],
     ctx: TideContext,
     decisions: list[str],
 ) -> None:
@@ -360,14 +532,17 @@ def _mark_groups(
     buffers_by_key: dict[tuple[int, torch.device], RSBuffers] = {}
     for c in cands:
         key = (id(c.group), c.device)
+        sided = one_sided.get(key, _OneSided())
         transport: AllGatherTransport
+        if key not in p2p_by_key and c.kind != "copy_engine":
+            p2p_by_key[key] = P2PTransport(
+                "nccl_p2p" if c.device.type == "cuda" else "gloo", options.pacing
+            )
         if c.kind == "copy_engine":
             transport = CopyEngineTransport(ag_slots[key])
+        elif sided.ag is not None:
+            transport = sided.ag
         else:
-            if key not in p2p_by_key:
-                p2p_by_key[key] = P2PTransport(
-                    "nccl_p2p" if c.device.type == "cuda" else "gloo", options.pacing
-                )
             transport = p2p_by_key[key]
         ag_comm = getattr(c.pg, "_all_gather_comm", None)
         ag_state = TideGroupState(c.plan, transport, c.group, c.fqn, ag_comm)
@@ -383,8 +558,19 @@ def _mark_groups(
             continue
         shared = c.kind == "copy_engine" and options.slot_reuse
         rs_transport: ReduceScatterTransport = (
-            CopyEngineTransport(rs_slots[key]) if key in rs_slots else transport
+            CopyEngineTransport(rs_slots[key]) if key in rs_slots
+            else p2p_by_key[key] if c.kind != "copy_engine"
+            else transport
+        )  # fmt: skip
+        buffers = buffers_by_key.setdefault(
+            key, RSBuffers(options.rs_inflight, WIRE_DTYPES[options.rs_wire_dtype])
         )
+        if sided.rs is not None and not buffers.partials:
+            # the partial ring lives in the registered window: puts read it in place
+            buffers.partials = sided.rs.send_slots(sided.rs.region_bytes // 4)
+            buffers.partial_free = [None] * len(buffers.partials)
+            if buffers.wire_dtype != torch.float32:  # partials rounded for the wire: put too
+                buffers.send = sided.rs.wire_slot(buffers.wire_dtype)
         layout = c.plan.layout
         # Several FSDP roots have one reduce-scatter stream each; staging shared by
         # the groups of a process group is only safe on one stream: TIDE's.
@@ -398,19 +584,22 @@ def _mark_groups(
                 group=c.group,
                 fqn=c.fqn,
                 transport=rs_transport,
-                buffers=buffers_by_key.setdefault(key, RSBuffers(inflight=options.rs_inflight)),
+                buffers=buffers,
                 rows=options.rs_rows,
                 ctas=options.rs_ctas,
                 use_tide_stream=on_tide_stream,
                 fsdp_comm=getattr(c.pg, "_reduce_scatter_comm", None),
+                cross_node=sided.rs,
             ),
         )
+        wire = wire_label(buffers.wire_dtype)
         cross = (
-            f"; cross-node p2p over {str(dist.get_backend(c.group)).lower()}, "
-            f"{options.rs_inflight} partials in flight"
-            if layout.num_nodes > 1
-            else ""
-        )
+            "" if layout.num_nodes == 1
+            else f"; cross-node nccl_one_sided, {options.rs_inflight} partials in flight, {wire}"
+            if sided.rs is not None
+            else f"; cross-node p2p over {str(dist.get_backend(c.group)).lower()}, "
+            f"{options.rs_inflight} partials in flight, {wire}"
+        )  # fmt: skip
         accumulate = (
             f"{kernels.triton_status()}, {options.rs_ctas} CTAs"
             if c.device.type == "cuda"
@@ -487,7 +676,8 @@ def install(model: nn.Module, options: TideOptions) -> None:
         error = None
         try:
             ag_slots, rs_slots = _connect_slots(pending, options, ctx, decisions, install_seq)
-            _mark_groups(taken, options, ag_slots, rs_slots, ctx, decisions)
+            one_sided = _connect_one_sided(taken, options, ctx, decisions, install_seq)
+            _mark_groups(taken, options, ag_slots, rs_slots, one_sided, ctx, decisions)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             error = _error_text(e)
         try:
@@ -525,9 +715,10 @@ def _log_decisions(decisions: list[str], reference: list[str] | None) -> None:
             logger.info("TIDE group [rank %d] %s", rank, d)
 
 
-def _drop(ctx: TideContext) -> None:
-    """Unmark the context's groups and free its slots and node-local groups (local;
-    the caller synchronized what peers may still read)."""
+def _drop(ctx: TideContext, abort_rma: bool = True) -> None:
+    """Unmark the context's groups and free its slots, node-local groups and one-sided
+    communicators (local; the caller synchronized what peers may still read; with
+    ``abort_rma=False`` the communicators are finalized, collective over their ranks)."""
     for pg in ctx.groups:
         fsdp_patch.unmark(pg)
     ctx.slots.clear()  # symmetric buffers are freed with their last reference
@@ -535,6 +726,10 @@ def _drop(ctx: TideContext) -> None:
         with contextlib.suppress(Exception):
             dist.destroy_process_group(node_group)
     ctx.node_groups.clear()
+    for comm in ctx.rma_comms:  # a failed set-up or after the devices synchronized
+        with contextlib.suppress(Exception):
+            comm.abort() if abort_rma else comm.destroy()
+    ctx.rma_comms.clear()
 
 
 def uninstall(model: nn.Module) -> None:
@@ -550,7 +745,9 @@ def uninstall(model: nn.Module) -> None:
         torch.cuda.synchronize(device)  # own pulls and packs done
         slots.handle.barrier(channel=0)  # every local peer got here too
         torch.cuda.synchronize(device)
-    _drop(ctx)
+    for comm in ctx.rma_comms:  # every put into or from this rank's windows is done
+        torch.cuda.synchronize(comm.device)
+    _drop(ctx, abort_rma=False)
     if ctx.forward_hook is not None:
         ctx.forward_hook.remove()
     delattr(model, _MODEL_ATTR)

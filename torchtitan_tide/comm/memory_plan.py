@@ -33,8 +33,9 @@ Modes (formulas also in :data:`FORMULAS`, printed by the CLI):
   ``max(N * A, R * S_max * b_grad)``; TIDE-RS owns only what exceeds the AG slots);
   point-to-point (``L = 1``) one staging buffer of ``R * S_max * b_grad``. Across nodes
   (``N > 1``) add the fp32 partial ring ``K * S_max * 4`` (``K = rs_inflight``) and one fp32
-  receive buffer ``S_max * 4``. At fixed per-rank shard size the TIDE-RS bytes do not grow
-  with the GPU count; stock RS grows with ``W``.
+  receive buffer ``S_max * 4`` (``rs_wire_dtype = "bfloat16"``: a bf16 receive buffer and a
+  bf16 send buffer, ``2 * S_max * 2``: the same bytes). At fixed per-rank shard size the
+  TIDE-RS bytes do not grow with the GPU count; stock RS grows with ``W``.
 - ``tide_ag``: TIDE-AG with FSDP2's reduce-scatter (``[tide] reduce_scatter = "fsdp2"``):
   the AG slots of ``tide`` (no Slot-Reuse) and the RS buffers of ``fsdp2``.
 

@@ -13,13 +13,19 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 __all__ = [
-    "REDUCE_SCATTERS", "SLOT_BARRIERS", "TOML_KEYS", "TRANSPORTS", "TideOptionError",
-    "TideOptions", "option_label", "toml_key", "validate_options",
+    "CROSS_NODE_TRANSPORTS", "REDUCE_SCATTERS", "RS_WIRE_DTYPES", "RS_WIRE_ITEMSIZE",
+    "SLOT_BARRIERS", "TOML_KEYS", "TRANSPORTS", "TideOptionError", "TideOptions",
+    "option_label", "toml_key", "validate_options",
 ]  # fmt: skip
 
 TRANSPORTS = ("auto", "copy_engine", "nccl_p2p", "gloo")
+CROSS_NODE_TRANSPORTS = ("auto", "p2p", "nccl_one_sided")
 REDUCE_SCATTERS = ("tide", "fsdp2")
 SLOT_BARRIERS = ("copy_engine", "kernel")
+# [tide] rs_wire_dtype -> bytes per element on TIDE-RS's cross-node wire (torch-free:
+# the simulator reads it).
+RS_WIRE_ITEMSIZE = {"float32": 4, "bfloat16": 2}
+RS_WIRE_DTYPES = tuple(RS_WIRE_ITEMSIZE)
 # The [tide] TOML key of a TideOptions field, where the two names differ.
 TOML_KEYS = {"transport": "ag_transport", "pacing": "ag_pacing"}
 
@@ -67,6 +73,16 @@ class TideOptions:
         after wave ``i`` completes. ``0``: a whole step in one batch. It bounds
         the number of outstanding send/recv operations (and NCCL p2p
         channels/fifo slots) per step; it does not affect the copy engine.
+    cross_node_transport:
+        What moves TIDE's cross-node traffic (TIDE-AG of groups with one rank per node,
+        TIDE-RS phase 2). ``"auto"``: NCCL's one-sided puts (``ncclPutSignal`` into
+        registered windows: no send/recv kernel; copy engine within a node's reach,
+        NCCL's RMA proxy over IB/RoCE) where the loaded NCCL is >= 2.29 and reports host
+        RMA between every pair of the group's ranks; else point-to-point send/recv, with
+        the reason logged. ``"p2p"``: always send/recv. ``"nccl_one_sided"``: the one-sided
+        path or a named error at ``comm.apply``. Groups with several ranks per node keep
+        send/recv for their cross-node all-gather (their copy-engine slots are not NCCL
+        windows); their TIDE-RS phase 2 goes one-sided. Docs: docs/2026-12-02-one-sided.md.
     reduce_scatter:
         ``"tide"``: TIDE-RS (bf16 gradients read where autograd left them,
         reduced into fp32 shards; node-local phase on the AG transport, then
@@ -84,6 +100,14 @@ class TideOptions:
         Cross-node phase: fp32 partials that may wait for the network at once
         (a ring of buffers). The node-local phase of the next chunk or group
         waits only when all of them are still in flight.
+    rs_wire_dtype:
+        Cross-node phase: the dtype of the partials on the wire. ``"float32"``:
+        the fp32 partials as they are. ``"bfloat16"``: each node's fp32 partial
+        is rounded once (round to nearest even) to bf16 before it is sent, half
+        the bytes; the owner still accumulates in fp32. The error is one bf16
+        rounding (relative 2**-8) of every other node's partial
+        (docs/2026-12-02-rs-wire.md). fp32 gradients are rounded too. The
+        node-local phase is unchanged (it moves the gradients in their dtype).
     slot_reuse:
         Copy engine only: TIDE-RS stages gradients in the same symmetric slots
         as TIDE-AG (one buffer, one protocol on one stream) instead of a
@@ -100,10 +124,12 @@ class TideOptions:
     transport: str = "auto"
     local_world_size: int | None = None
     pacing: int = 0
+    cross_node_transport: str = "auto"
     reduce_scatter: str = "tide"
     rs_ctas: int = 0
     rs_rows: int = 2
     rs_inflight: int = 2
+    rs_wire_dtype: str = "float32"
     slot_reuse: bool = True
     slot_barrier: str = "copy_engine"
     install_timeout_s: int = 120
@@ -153,10 +179,15 @@ def validate_options(options: TideOptions) -> None:
         _integer(options, "local_world_size", 0,
                  " (0 or None: detect; else ranks per node, dividing every FSDP group)")  # fmt: skip
     _integer(options, "pacing", 0, " (0 = no limit)")
+    _choice(options, "cross_node_transport", CROSS_NODE_TRANSPORTS,
+            "; 'auto' takes NCCL's one-sided puts where the job's NCCL supports them")  # fmt: skip
     _choice(options, "reduce_scatter", REDUCE_SCATTERS, "; 'fsdp2' keeps FSDP2's reduce-scatter")
     _integer(options, "rs_ctas", 0)
     _integer(options, "rs_rows", 1)
     _integer(options, "rs_inflight", 1)
+    _choice(options, "rs_wire_dtype", RS_WIRE_DTYPES,
+            "; 'bfloat16' halves TIDE-RS's cross-node bytes at one bf16 rounding of each "
+            "node's partial (docs/2026-12-02-rs-wire.md)")  # fmt: skip
     if not isinstance(options.slot_reuse, bool):
         raise TideOptionError(
             f"{option_label('slot_reuse')} = {options.slot_reuse!r} is not a boolean; "

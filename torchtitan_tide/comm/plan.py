@@ -46,6 +46,7 @@ __all__ = [
     "Chunk",
     "Exchange",
     "GroupPlan",
+    "PackedEntry",
     "ParamPlan",
     "ParamSpec",
     "RSRound",
@@ -57,6 +58,7 @@ __all__ = [
     "cross_node_exchanges",
     "node_local_exchanges",
     "pace_chunks",
+    "packed_entry",
     "rs_cross_node_peers",
     "rs_push_slices",
     "rs_schedule",
@@ -325,6 +327,28 @@ def build_group_plan(
         exchanges=tuple(exchanges),
         dtypes=tuple(sorted({s.dtype for s in specs})),
     )
+
+
+@dataclass(frozen=True)
+class PackedEntry:
+    """One rank's shards of a group packed in a staging entry (copy-engine slot,
+    one-sided window): parameter ``i``'s ``nbytes[i]`` bytes at ``offsets[i]``, each
+    16-byte aligned; ``entry_bytes`` per rank, entry ``m`` (node ``m``'s rank) at
+    ``m * entry_bytes`` of a round's half."""
+
+    nbytes: tuple[int, ...]
+    offsets: tuple[int, ...]
+    entry_bytes: int
+
+
+def packed_entry(params: tuple[ParamPlan, ...], itemsizes: list[int]) -> PackedEntry:
+    """The packed entry of ``params`` in the all-gather dtypes' ``itemsizes``."""
+    nbytes = tuple(p.shard_numel * size for p, size in zip(params, itemsizes))
+    offsets, total = [], 0
+    for n in nbytes:
+        offsets.append(total)
+        total += (n + 15) // 16 * 16
+    return PackedEntry(nbytes, tuple(offsets), total)
 
 
 # ---------------------------------------------------------------- TIDE-RS

@@ -12,7 +12,10 @@ rows in fp32. bf16 moves, fp32 accumulates.
 
 Phase 2, cross-node (more than one node): each fp32 partial goes to the rank
 of the same local index on its node over point-to-point (NCCL; gloo on CPU),
-the received partial is added into the output. It runs on its own stream:
+the received partial is added into the output (in fp32). On the wire the
+partial is fp32, or with ``[tide] rs_wire_dtype = "bfloat16"`` rounded once to
+bf16 (:func:`round_to_wire`: half the bytes, one bf16 rounding per partial;
+docs/2026-12-02-rs-wire.md). It runs on its own stream:
 phase 1 of the next chunk or FSDP group never waits for it, only for a free
 buffer of the ``rs_inflight`` ring.
 
@@ -44,23 +47,31 @@ import torch
 import torch.distributed as dist
 
 from . import kernels, streams, watchdog
+from .options import RS_WIRE_DTYPES
 from .plan import RSRound, WorldLayout, rs_cross_node_peers, rs_schedule, rs_segments
 from .transport import ReduceScatterTransport, global_rank
 
 __all__ = [
+    "WIRE_DTYPES",
     "GradientSetMismatch",
     "RSBuffers",
     "TideRSState",
     "TideReduceResult",
     "check_gradient_sets",
+    "round_to_wire",
     "rows_per_round",
     "rs_numerics_note",
     "rs_unsupported_reason",
     "set_poison",
     "tide_reduce",
+    "wire_label",
 ]
 
 logger = logging.getLogger(__name__)
+
+# ``[tide] rs_wire_dtype`` -> the dtype of TIDE-RS's cross-node partials on the wire.
+WIRE_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in RS_WIRE_DTYPES}
+_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 # Tests: a value written into every output, partial and staging buffer before
 # TIDE-RS writes it (e.g. NaN), so an element it fails to write shows.
@@ -81,15 +92,24 @@ def _poisoned(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class RSBuffers:
-    """Phase-2 buffers of one process group on one device (fp32, grown to the
-    largest group on first use): a ring of ``inflight`` partials, each with the
-    event after which phase 2 no longer reads it, and one receive buffer."""
+    """Phase-2 buffers of one process group on one device (grown to the largest
+    group on first use): a ring of ``inflight`` fp32 partials, each with the
+    event after which phase 2 no longer reads it; one receive buffer and (wire
+    dtype other than fp32) one send buffer, both in ``wire_dtype``.
+
+    One send and one receive buffer suffice: phase 2 runs in order on one stream
+    (``cross``; the host on CPU), and waits for each send/receive on it before
+    the accumulate, so the next rounding into ``send`` and the next receive into
+    ``recv`` come after the previous transfer finished with them."""
 
     inflight: int
+    wire_dtype: torch.dtype = torch.float32
     partials: list[torch.Tensor] = field(default_factory=list)
     partial_free: list[torch.Event | None] = field(default_factory=list)
+    send: torch.Tensor | None = None
     recv: torch.Tensor | None = None
     next_partial: int = 0
+    sent_bytes: int = 0  # phase-2 bytes this rank posted to other nodes (benchmarks read it)
 
     def take_partial(self, numel: int, device: torch.device) -> tuple[int, torch.Tensor]:
         """The next ring slot and an fp32 view of ``numel`` elements; on CUDA the
@@ -111,10 +131,29 @@ class RSBuffers:
             self.partial_free[k] = None
         return k, _poisoned(self.partials[k].narrow(0, 0, numel))
 
+    def take_send(self, numel: int, device: torch.device) -> torch.Tensor:
+        """A ``wire_dtype`` view of ``numel`` elements to round a partial into (phase 2's stream)."""
+        if self.send is None or self.send.numel() < numel:
+            self.send = torch.empty(numel, dtype=self.wire_dtype, device=device)
+        return _poisoned(self.send.narrow(0, 0, numel))
+
     def take_recv(self, numel: int, device: torch.device) -> torch.Tensor:
+        """A ``wire_dtype`` view of ``numel`` elements to receive a partial into (phase 2's stream)."""
         if self.recv is None or self.recv.numel() < numel:
-            self.recv = torch.empty(numel, dtype=torch.float32, device=device)
+            self.recv = torch.empty(numel, dtype=self.wire_dtype, device=device)
         return _poisoned(self.recv.narrow(0, 0, numel))
+
+
+def round_to_wire(partial: torch.Tensor, buffers: RSBuffers) -> torch.Tensor:
+    """The phase-2 tensor to send for the fp32 ``partial``: ``partial`` itself
+    when the wire dtype is fp32, else ``partial`` rounded once (to nearest even,
+    as ``Tensor.copy_`` casts) into the send buffer of ``buffers`` (its wire
+    dtype), which stays valid until the next call. fp32 gradients are rounded
+    alike: the option sets the wire, whatever the gradients' dtype. Runs on the
+    current stream (phase 2's)."""
+    if buffers.wire_dtype == partial.dtype:
+        return partial
+    return buffers.take_send(partial.numel(), partial.device).copy_(partial)
 
 
 @dataclass
@@ -136,6 +175,9 @@ class TideRSState:
     use_tide_stream: bool
     # The group's FSDP2 reduce-scatter comm object at install (see TideGroupState).
     fsdp_comm: object = None
+    # Phase 2 over NCCL one-sided puts (``transport.one_sided.OneSidedCrossNode``, shared
+    # by the process group's FSDP groups); None: point-to-point send/recv.
+    cross_node: object = None
     calls: int = 0
     stock_reasons: set[str] = field(default_factory=set)
     # HSDP: the pending partial sum of microbatches without all-reduce is TIDE-RS's.
@@ -265,6 +307,11 @@ def rs_numerics_note(
     return None
 
 
+def wire_label(wire_dtype: torch.dtype) -> str:
+    """How logs name phase 2's wire dtype, after its transport: "wire bf16"."""
+    return f"wire {_SHORT.get(wire_dtype, str(wire_dtype))}"
+
+
 def rows_per_round(state: TideRSState, shard_numel: int, itemsize: int) -> int:
     """Source rows per round for a reduce of ``shard_numel`` elements of
     ``itemsize`` bytes: ``state.rows``, fewer when the transport's staging slot
@@ -323,23 +370,30 @@ def _cross_node_step(
     divisor: float,
     cross: torch.Stream | None,
 ) -> None:
-    """Phase 2 for one chunk: send ``partial`` to its owner, add the partial
-    received for this rank into ``out`` (divided by ``divisor`` when it is the
-    last addition). CUDA: on ``cross``, after phase 1 of this chunk."""
+    """Phase 2 for one chunk: send ``partial`` (fp32) to its owner in the wire
+    dtype (:func:`round_to_wire`), add the partial received for this rank (wire
+    dtype) into ``out`` in fp32 (divided by ``divisor`` when it is the last
+    addition). CUDA: on ``cross``, after phase 1 of this chunk."""
     layout, rank, group = state.layout, state.rank, state.group
     send_peer, recv_peer = rs_cross_node_peers(layout, rank, chunk_node)
     device = out.device
     if cross is not None:
         cross.wait_stream(torch.cuda.current_stream(device))
     with _stream_ctx(cross):
-        recv = state.buffers.take_recv(out.numel(), device)
-        peers = (global_rank(group, send_peer), global_rank(group, recv_peer))
-        ops = [
-            dist.P2POp(dist.isend, partial, peers[0], group),
-            dist.P2POp(dist.irecv, recv, peers[1], group),
-        ]
-        watchdog.wait_works(dist.batch_isend_irecv(ops), "TIDE-RS cross-node p2p", group, peers,
-                            device)  # fmt: skip
+        send = round_to_wire(partial, state.buffers)
+        if state.cross_node is not None:  # one-sided: put into the owner's window
+            step = (chunk_node - layout.node_of(rank)) % layout.num_nodes
+            recv = state.cross_node.exchange(send, send_peer, recv_peer, step, group)
+        else:
+            recv = state.buffers.take_recv(out.numel(), device)
+            peers = (global_rank(group, send_peer), global_rank(group, recv_peer))
+            ops = [
+                dist.P2POp(dist.isend, send, peers[0], group),
+                dist.P2POp(dist.irecv, recv, peers[1], group),
+            ]
+            watchdog.wait_works(dist.batch_isend_irecv(ops), "TIDE-RS cross-node p2p", group,
+                                peers, device)  # fmt: skip
+        state.buffers.sent_bytes += send.numel() * send.element_size()
         if cross is not None:
             partial.record_stream(cross)  # allocated on the phase-1 stream
             state.buffers.partial_free[partial_slot] = cross.record_event()
@@ -398,11 +452,16 @@ def tide_reduce(
     if state.calls == 0:
         logger.info(
             "TIDE-RS %s: first reduce, %d params, %d elements per shard, %s gradients, "
-            "%s, accumulate: %s",
+            "%s, accumulate: %s%s",
             state.fqn, len(grads), shard_numel, grads[0].dtype if grads else None,
             layout.shape, kernels.triton_status() if cuda else "torch",
+            "" if num_nodes == 1 else
+            f", cross-node {'nccl_one_sided' if state.cross_node is not None else 'p2p'}, "
+            f"{wire_label(state.buffers.wire_dtype)}",
         )  # fmt: skip
     state.calls += 1
+    if num_nodes > 1 and state.cross_node is not None:
+        state.cross_node.begin_reduce()
 
     with _stream_ctx(comm):
         out = _poisoned(torch.empty(shard_numel, dtype=torch.float32, device=device))

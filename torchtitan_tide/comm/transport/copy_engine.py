@@ -58,7 +58,16 @@ import torch.distributed as dist
 
 from .. import watchdog
 from ..memory_plan import slot_alloc_bytes
-from ..plan import GroupPlan, RSRound, RSSegment, RSSlice, WorldLayout, rs_push_slices
+from ..plan import (
+    GroupPlan,
+    PackedEntry,
+    RSRound,
+    RSSegment,
+    RSSlice,
+    WorldLayout,
+    packed_entry,
+    rs_push_slices,
+)
 from . import global_rank
 
 __all__ = ["CopyEngineTransport", "SymmSlots", "batch_copy"]
@@ -357,6 +366,33 @@ def _try_batch(
     return True
 
 
+def pack_own_shards(
+    buffer: torch.Tensor,
+    base: int,
+    half_bytes: int,
+    plan: GroupPlan,
+    inputs: list[torch.Tensor],
+    outputs: list[torch.Tensor],
+) -> PackedEntry:
+    """Step 1 of a staged all-gather (copy-engine slot, one-sided window): cast this
+    rank's shards ``inputs`` once into its entry of the round's half at byte ``base`` of
+    ``buffer`` (``uint8``), on the current stream, in ``outputs``' dtypes. Raises when
+    ``num_nodes`` entries do not fit in ``half_bytes``."""
+    packing = packed_entry(plan.params, [o.element_size() for o in outputs])
+    num_nodes = plan.layout.num_nodes
+    if num_nodes * packing.entry_bytes > half_bytes:
+        raise AssertionError(
+            f"TIDE staging too small: {num_nodes} x {packing.entry_bytes} > {half_bytes}"
+        )
+    start = base + plan.layout.node_of(plan.rank) * packing.entry_bytes
+    packed = [
+        buffer.narrow(0, start + off, n).view(o.dtype)
+        for off, n, o in zip(packing.offsets, packing.nbytes, outputs)
+    ]
+    torch._foreach_copy_(packed, inputs)
+    return packing
+
+
 class CopyEngineTransport:
     """Node-local pulls from symmetric memory, optionally after a cross-node phase.
 
@@ -400,30 +436,16 @@ class CopyEngineTransport:
         outputs: list[torch.Tensor],
         group: dist.ProcessGroup,
     ) -> dist.Work | None:
-        slots, layout, rank = self.slots, plan.layout, plan.rank
-        node = layout.node_of(rank)
+        slots, layout = self.slots, plan.layout
         num_nodes, lws = layout.num_nodes, layout.local_world_size
         base = (slots.round % 2) * slots.slot_bytes
         slots.round += 1
-        nbytes = [p.shard_numel * o.element_size() for p, o in zip(plan.params, outputs)]
-        param_offs, entry_bytes = [], 0
-        for n in nbytes:
-            param_offs.append(entry_bytes)
-            entry_bytes += (n + 15) // 16 * 16
-        if num_nodes * entry_bytes > slots.slot_bytes:
-            raise AssertionError(
-                f"TIDE symmetric slot too small: {num_nodes} x {entry_bytes} > {slots.slot_bytes}"
-            )
+        packing = pack_own_shards(slots.buffer, base, slots.slot_bytes, plan, inputs, outputs)
+        nbytes, param_offs, entry_bytes = packing.nbytes, packing.offsets, packing.entry_bytes
 
         def entry(m: int) -> int:
             return base + m * entry_bytes
 
-        # 1. pack: cast once into this rank's entry.
-        packed = [
-            slots.buffer.narrow(0, entry(node) + off, n).view(o.dtype)
-            for off, n, o in zip(param_offs, nbytes, outputs)
-        ]
-        torch._foreach_copy_(packed, inputs)
         # 2. cross-node phase: whole node entries, one message per run.
         for ex in plan.exchanges:
             ops = [

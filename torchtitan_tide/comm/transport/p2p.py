@@ -48,6 +48,7 @@ class P2PTransport:
         self.name = name
         self.pacing = pacing
         self.staging: torch.Tensor | None = None  # uint8, TIDE-RS rows
+        self.sent_bytes = 0  # all-gather bytes this rank posted to peers (benchmarks read it)
 
     def gather(
         self,
@@ -65,11 +66,9 @@ class P2PTransport:
             for i in range(max(len(send_waves), len(recv_waves))):
                 ops: list[dist.P2POp] = []
                 for c in send_waves[i] if i < len(send_waves) else ():
-                    ops.append(
-                        dist.P2POp(
-                            dist.isend, _byte_view(outputs[c.param_index], c), send_peer, group
-                        )
-                    )
+                    data = _byte_view(outputs[c.param_index], c)
+                    ops.append(dist.P2POp(dist.isend, data, send_peer, group))
+                    self.sent_bytes += data.numel()
                 for c in recv_waves[i] if i < len(recv_waves) else ():
                     ops.append(
                         dist.P2POp(

@@ -1,0 +1,244 @@
+"""What TIDE's cross-node path costs the SMs and the wire, measured on ONE GPU (emulation).
+
+    python scripts/bench/bench_cross_node.py --out-dir bench/results [--emulation one_node]
+
+Two ranks share GPU 0 as two "nodes" (TIDE's ``local_world_size = 1``: every exchange is
+cross-node). ``--emulation one_node`` (default): NCCL sees one node
+(``NCCL_MULTI_RANK_GPU_ENABLE=1``; needs NCCL >= 2.30 in torch's place) and moves
+one-sided puts by copy engine; ``nodes``: each rank its own NCCL host
+(``NCCL_HOSTID``, sockets on loopback; no host RMA, so no one-sided variant).
+
+Variants (one spawn each, the same Llama-shaped bf16 model and data): ``fsdp2`` (stock
+all-gather / reduce-scatter kernels), ``tide_p2p`` (TIDE over NCCL send/recv),
+``tide_one_sided`` (NCCL put/signal), each with the fp32 and, where the option exists,
+the bf16 TIDE-RS wire. Per step (median of ``--steps`` profiled steps after warm-up):
+NCCL kernels launched, their kernel-ms and SM-ms (kernel time x min(1, CTAs / SMs)),
+copies, and the bytes each rank put on the cross-node wire (TIDE: counted by its
+transports; fsdp2: ring all-gather and reduce-scatter, (W-1)/W of the gathered bytes).
+The ranks share one GPU and "the network" is a copy or a loopback socket: step times from
+here are no cluster figure and are not reported; kernel counts, SM-ms and bytes are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+import harness
+
+EMULATION_ENV = {
+    "one_node": (("NCCL_MULTI_RANK_GPU_ENABLE", "1"),),
+    "nodes": (("NCCL_HOSTID", "emunode{rank}"), ("NCCL_SOCKET_IFNAME", "lo"),
+              ("NCCL_IB_DISABLE", "1")),
+}  # fmt: skip
+
+
+class _Block(nn.Module):
+    """A Llama-shaped feed-forward block (RMSNorm, SwiGLU)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(dim)
+        self.w1, self.w3 = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class _Model(nn.Module):
+    def __init__(self, vocab: int, dim: int, hidden: int, layers: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(_Block(dim, hidden) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h))
+
+
+def _build(args: argparse.Namespace, device: torch.device) -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = _Model(args.vocab, args.dim, args.hidden, args.layers).to(device)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def _sent_bytes(model: nn.Module) -> int:
+    """Cross-node bytes this rank's TIDE transports posted so far (AG + RS phase 2)."""
+    from torchtitan_tide.comm import fsdp_patch
+
+    seen, total = set(), 0
+    for _, group in fsdp_patch.fsdp_param_groups(model):
+        for obj in (group._tide_ag_state.transport, group._tide_rs_state.buffers):
+            if id(obj) not in seen:
+                seen.add(id(obj))
+                total += obj.sent_bytes
+    return total
+
+
+def _fsdp2_wire_bytes(model: nn.Module, world: int) -> int:
+    """Ring all-gather (bf16) and reduce-scatter (fp32) bytes one rank sends per step:
+    (W-1) padded shards per collective; each layer group is gathered twice (forward, and
+    backward after resharding), the root once (FSDP2 keeps it unsharded after forward),
+    and every group is reduced once."""
+    from torchtitan_tide.comm import fsdp_internals
+
+    total = 0
+    for fqn, group in fsdp_internals.fsdp_param_groups(model):
+        shard_numel = sum(fp._sharded_param_data.numel() for fp in group.fsdp_params)
+        gathers = 1 if fqn in ("", "<root>") else 2
+        total += (world - 1) * shard_numel * (gathers * 2 + 4)
+    return total
+
+
+def _worker(rank: int, world: int, args: argparse.Namespace, variant: dict, result: str) -> None:
+    from torchtitan_tide import comm
+
+    device = torch.device("cuda", 0)
+    model = _build(args, device)
+    if variant["mode"] == "tide":
+        options = {"local_world_size": 1, "cross_node_transport": variant["transport"]}
+        if variant["wire"] != "float32":
+            options["rs_wire_dtype"] = variant["wire"]
+        comm.apply(model, "tide", **options)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    gen = torch.Generator().manual_seed(1 + rank)
+
+    def step() -> None:
+        tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+        tokens = tokens.to(device)
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    per_step = []
+    for _ in range(args.steps):
+        sent = _sent_bytes(model) if variant["mode"] == "tide" else 0
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        with tempfile.TemporaryDirectory() as tmp:
+            trace = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(trace)
+            events = common.device_events(common.load_chrome_trace(trace))
+        kinds = [common.classify_device_event(e["name"]) for e in events]
+        nccl = [e for e, k in zip(events, kinds) if k == "nccl_kernel"]
+        per_step.append({
+            "nccl_kernels": len(nccl),
+            "nccl_kernel_ms": sum(e["dur"] for e in nccl) / 1e3,
+            "nccl_sm_ms": sum(common.sm_weighted_us(e["dur"], common.grid_ctas(e), sm_count)
+                              for e in nccl) / 1e3,
+            "kernels": sum(1 for k in kinds if k.endswith("kernel")),
+            "copies": kinds.count("memcpy"),
+            "wire_bytes": (_sent_bytes(model) - sent if variant["mode"] == "tide"
+                           else _fsdp2_wire_bytes(model, world)),
+            "nccl_kernel_names": sorted({e["name"].split("(")[0] for e in nccl}),
+        })  # fmt: skip
+    if variant["mode"] == "tide":
+        comm.remove(model)
+    if rank == 0:
+        row = {"variant": variant["name"], **variant}
+        for key in ("nccl_kernels", "nccl_kernel_ms", "nccl_sm_ms", "kernels", "copies",
+                    "wire_bytes"):  # fmt: skip
+            row[key] = statistics.median(s[key] for s in per_step)
+        row["wire_mib"] = row["wire_bytes"] / 2**20
+        row["nccl_kernel_names"] = per_step[-1]["nccl_kernel_names"]
+        Path(result).write_text(json.dumps(row))
+
+
+def _variants(emulation: str, wires: list[str]) -> list[dict]:
+    out = [{"name": "fsdp2", "mode": "fsdp2", "transport": "-", "wire": "-"}]
+    transports = ["p2p"] + (["nccl_one_sided"] if emulation == "one_node" else [])
+    for transport in transports:
+        for wire in wires:
+            short = "one_sided" if transport == "nccl_one_sided" else transport
+            out.append({"name": f"tide_{short}_{'bf16' if wire == 'bfloat16' else 'fp32'}_wire",
+                        "mode": "tide", "transport": transport, "wire": wire})  # fmt: skip
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out-dir", default="bench/results")
+    parser.add_argument("--emulation", choices=sorted(EMULATION_ENV), default="one_node")
+    parser.add_argument("--ranks", type=int, default=2, help="emulated nodes on GPU 0")
+    parser.add_argument("--dim", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=5632)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    from torchtitan_tide.comm.options import TideOptions
+
+    wires = ["float32"] + (["bfloat16"] if hasattr(TideOptions(), "rs_wire_dtype") else [])
+    rows, errors = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for variant in _variants(args.emulation, wires):
+            result = os.path.join(tmp, variant["name"] + ".json")
+            try:
+                harness.spawn(_worker, args.ranks, "cuda:0", (args, variant, result),
+                              EMULATION_ENV[args.emulation])  # fmt: skip
+                rows.append(json.loads(Path(result).read_text()))
+            except Exception as e:  # noqa: BLE001 - recorded; the next variant runs
+                errors[variant["name"]] = common.short_error(f"{type(e).__name__}: {e}", 300)
+                rows.append({"variant": variant["name"], "error": errors[variant["name"]]})
+            print(json.dumps(rows[-1]), flush=True)
+    meta = common.metadata(args.ranks)
+    stem = common.result_stem(args.out_dir, f"cross_node_{args.emulation}", meta)
+    columns = [
+        ["variant", "variant"], ["nccl_kernels", "NCCL kernels / step"],
+        ["nccl_kernel_ms", "NCCL kernel ms"], ["nccl_sm_ms", "NCCL SM-ms"],
+        ["copies", "copies / step"], ["wire_mib", "cross-node MiB / rank / step"],
+        ["error", "error"],
+    ]  # fmt: skip
+    results = {
+        "kind": "cross_node",
+        "metadata": meta,
+        "args": vars(args),
+        "note": "ranks share one GPU; no step time or bandwidth from here is a cluster figure",
+        "tables": [{"title": f"cross-node path per step, {args.ranks} emulated nodes "
+                             f"({args.emulation})", "columns": columns, "rows": rows}],
+    }  # fmt: skip
+    charts = [
+        common.BarChart(title="NCCL SM-ms per step", labels=[r["variant"] for r in rows],
+                        values=[r.get("nccl_sm_ms") or 0.0 for r in rows], ylabel="SM-ms"),
+        common.BarChart(title="cross-node MiB per rank per step",
+                        labels=[r["variant"] for r in rows],
+                        values=[r.get("wire_mib") or 0.0 for r in rows], ylabel="MiB"),
+    ]  # fmt: skip
+    print(common.write_result(stem, results, "TIDE cross-node path (emulated)", charts=charts))
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
