@@ -20,7 +20,7 @@ torch's place: scripts/gpu/check.sh's ``emulation`` stage swaps it in; skipped
 otherwise), TIDE still 2 nodes x 1 (its cross-node path over NCCL's same-GPU transport).
 
 The same checks on CPU (gloo, each forked rank its own launcher node): the CPU stand-in
-that runs where no GPU is (2 nodes; 4 nodes marked ``slow``).
+that runs where no GPU is.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
         python3 -m pytest -q -m "gpu and emulation" tests/comm/test_emulation_parity.py
@@ -151,7 +151,7 @@ def _parity_cpu(rank: int, world_size: int, layouts: list[Layout], nodes: int) -
     _parity(rank, world_size, layouts, nodes, cuda=False)
 
 
-@pytest.mark.parametrize("nodes", [2, pytest.param(4, marks=pytest.mark.slow)], ids=["2x1", "4x1"])
+@pytest.mark.parametrize("nodes", [2, 4], ids=["2x1", "4x1"])
 def test_nodes_parity_cpu(nodes):
     """The emulated-node checks on CPU (gloo point-to-point): the stand-in where no GPU is."""
     spawn(_parity_cpu, nodes, layouts_for(nodes), nodes)
