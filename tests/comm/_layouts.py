@@ -55,6 +55,7 @@ from torchtitan.models.qwen3 import qwen3_args
 from torchtitan.models.qwen3.infra.parallelize import parallelize_qwen3
 from torchtitan.models.qwen3.model.model import Qwen3Model
 
+from torchtitan_tide import comm as tide_comm
 from torchtitan_tide.comm import all_gather as tide_ag
 from torchtitan_tide.comm import fsdp_patch
 from torchtitan_tide.comm import reduce_scatter as tide_rs
@@ -629,4 +630,7 @@ def run_layout(
                     _copy_params(ref.parts, tide.parts)
         for lws, tide in tides.items():
             check_tide_ran(tide.parts, rec, layout, dims, lws, f"[tide local_world_size={lws}] ")
+    for tide in tides.values():  # on every rank alike: TIDE's own communicators end
+        for part in tide.parts:
+            tide_comm.remove(part)
     return rec
