@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import REPO, alive, end_tree, losses, read_metrics
+from train_helpers import REPO, alive, end_tree, kill_exact, losses, read_metrics, start_time
 
 from torchtitan_tide.launch import MULTICAST_OFF
 
@@ -114,7 +113,7 @@ def _stopped_node_run(tmp_path: Path, device: str, run: list[str]) -> None:
             "--comm.train_timeout_seconds", "300",  # NCCL's / gloo's own timeout: far later
             "--experimental.custom_import", "tide_stop_rank"]  # fmt: skip
     proc = _start(log, args, env, grace_s=5)
-    stopped_pid = None
+    stopped_pid, stopped_start = None, None
     try:
         deadline = time.monotonic() + 300
         while not marker.exists() or not marker.read_text():
@@ -123,15 +122,18 @@ def _stopped_node_run(tmp_path: Path, device: str, run: list[str]) -> None:
             time.sleep(0.2)
         stopped_at = time.monotonic()
         stopped_pid = int(marker.read_text())
+        stopped_start = start_time(stopped_pid)
         try:
             rc = proc.wait(WATCHDOG_S + 90)
         except subprocess.TimeoutExpired:
             raise AssertionError("the job hangs:\n" + log.read_text()[-6000:]) from None
         ended_s = time.monotonic() - stopped_at
+        # emulate.sh stopped the stopped node before it exited
+        survived = start_time(stopped_pid) == stopped_start and alive(stopped_pid)
     finally:
         end_tree(proc)
-        if stopped_pid is not None and alive(stopped_pid):
-            os.kill(stopped_pid, signal.SIGKILL)
+        if stopped_pid is not None:
+            kill_exact([(stopped_pid, stopped_start)])
     out = log.read_text()
     print(f"{device}: job ended {ended_s:.1f} s after rank 1 stopped (rc {rc})")
     assert rc != 0, out[-6000:]
@@ -145,7 +147,7 @@ def _stopped_node_run(tmp_path: Path, device: str, run: list[str]) -> None:
     # The deadline, a poll, the bounded abort (<= 10 s), torchrun's exit, emulate.sh's
     # grace (5 s) and the stop of the other node (<= 10 s + torchrun's 5 s).
     assert ended_s < WATCHDOG_S + 45, (ended_s, out[-6000:])
-    assert not alive(stopped_pid), "the stopped rank outlived the job"
+    assert not survived, "the stopped rank outlived the job"
 
 
 @pytest.mark.gpu

@@ -83,21 +83,40 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot, /proc/PID/stat field 22), or None when
+    it is gone: with the pid it names one process, even after the pid is reused."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def kill_exact(processes: list[tuple[int, int | None]]) -> None:
+    """SIGKILL each ``(pid, start_time)`` that is still that very process."""
+    for pid, started in processes:
+        if started is not None and start_time(pid) == started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
 def end_tree(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
-    """End ``proc`` and every process below it: SIGTERM to ``proc`` (a script's trap can
-    stop what it started), then after ``grace_s`` SIGKILL to all that is left."""
-    below = descendants(proc.pid)
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-    for pid in [proc.pid, *below, *descendants(proc.pid)]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    """End ``proc`` and every process below it, if ``proc`` still runs: SIGTERM to
+    ``proc`` (a script's trap can stop what it started), then after ``grace_s`` SIGKILL to
+    all that is left (each checked by its start time: pids are reused). A ``proc`` that
+    already exited waited for its children itself; nothing is touched then."""
+    if proc.poll() is not None:
+        return
+    below = [(pid, start_time(pid)) for pid in descendants(proc.pid)]
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        below += [(pid, start_time(pid)) for pid in descendants(proc.pid)]
+        proc.kill()
+    kill_exact(below)
     proc.wait(10)
 
 
@@ -115,5 +134,4 @@ def run_bounded(cmd: list[str], log: Path, timeout_s: float, **popen_kwargs) -> 
                 + log.read_text()[-6000:]
             ) from None
         finally:
-            if proc.poll() is None or descendants(proc.pid):
-                end_tree(proc)
+            end_tree(proc)

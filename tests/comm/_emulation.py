@@ -79,6 +79,8 @@ def nccl_log_env(folder: str) -> dict[str, str]:
 
 def _entry(rank: int, world_size: int, port: int, mode: str, log_dir: str | None, fn, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    for key in ("NCCL_HOSTID", "NCCL_MULTI_RANK_GPU_ENABLE"):  # the other mode's, if inherited
+        os.environ.pop(key, None)
     os.environ.update(emulated_env(rank, mode))
     os.environ.update(launcher_node_env(rank))
     if log_dir is not None:
