@@ -97,5 +97,5 @@ echo "[nccl_swap] $target <- $src (sha256 $want); bundled copy backed up (sha256
 "$@" &
 child=$!
 trap 'kill -TERM "$child" 2>/dev/null; wait "$child"; exit 143' TERM
-trap 'kill -INT "$child" 2>/dev/null; wait "$child"; exit 130' INT
+trap 'kill -TERM "$child" 2>/dev/null; wait "$child"; exit 130' INT  # a background command ignores SIGINT
 wait "$child"
