@@ -81,7 +81,7 @@ if has emulation; then
   nccl_line() { grep -E 'NCCL version|^NCCL [0-9.]+ in use' "$1" | tail -2 | paste -sd '|' -; }
   run nccl_bundled 60 python3 scripts/gpu/nccl_version.py
   note "  $(nccl_line "$LOGS/nccl_bundled.log")"
-  run emulation_nodes 270 python3 -m pytest -q -m "gpu and emulation and not one_node" tests \
+  run emulation_nodes 300 python3 -m pytest -q -m "gpu and emulation and not one_node" tests \
     -p no:cacheprovider
   note "  $(tail -1 "$LOGS/emulation_nodes.log")"
   if [[ -d .nccl ]]; then
