@@ -1,5 +1,5 @@
 """Per-FSDP-group forward/backward durations of a step config on ONE device (the
-simulator's compute input, ``python -m torchtitan_tide.simulate --trace``).
+simulator's compute input, ``python -m torchtitan_tide.simulator --trace``).
 
 The model, shapes, loss and data are bench_floor's (the trainer's, per-GPU work of a
 ``--world-size``-rank step, no communication). Each FSDP group of the memory planner's
@@ -12,16 +12,24 @@ inside a group included); on CPU the wall clock. What lies outside every group
 (the root: loss, final ops) is ``root_fwd_ms`` / ``root_bwd_ms``. Also the fused AdamW
 and grad-norm clip of rank 0's shards (bench_floor's ``adamw`` / ``clip``).
 
+``--precision world1`` traces what the one-GPU trainer runs instead (TorchTitan applies
+no FSDP at world 1): fp32 weights, forward and loss under ``torch.autocast`` to
+``training.mixed_precision_param`` (a cast of every weight at each use), fp32 gradients;
+use it with ``--world-size 1``. The simulator's world-1 rows read it.
+
 Medians over ``--iters`` after ``--warmup``. Writes a compact
-``<date>_<machine>_<commit>_trace_<config>.{json,md,png}`` (a few KB; no chrome trace):
+``<date>_<machine>_<commit>_trace_<config>.{json,md,png}`` (``trace_world1_<config>``
+with ``--precision world1``; a few KB; no chrome trace):
 
     python scripts/bench/bench_trace.py --config h200x2_llama70b_4layers [--world-size 2]
-        [--device auto|cuda|cpu] [--warmup 2] [--iters 5] [--out-dir bench/results]
+        [--precision fsdp2|world1] [--device auto|cuda|cpu] [--warmup 2] [--iters 5]
+        [--out-dir bench/results]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -118,15 +126,20 @@ def install_marks(groups: Sequence[tuple[str, list, bool]], marks: Marks) -> lis
     return handles
 
 
-def trace_iteration(work: bench_floor.FloorWork, groups, marks: Marks) -> dict[str, float]:
+def trace_iteration(
+    work: bench_floor.FloorWork, groups, marks: Marks, amp=contextlib.nullcontext
+) -> dict[str, float]:
     """One fwd+bwd with marks; per group ``fwd``/``bwd`` ms plus ``fwd_bwd``, ``root_fwd``,
-    ``root_bwd`` ms (root: the step's time outside every group)."""
+    ``root_bwd`` ms (root: the step's time outside every group). ``amp``: a context
+    factory around forward and loss (the trainer's ``maybe_enable_amp``; backward
+    outside it, as in TorchTitan's train step)."""
     work.setup("fwd_bwd")
     marks.marks.clear()
     marks.forward = True
     marks.mark("start")
-    pred = work.model(work.inputs, **work.extra_inputs)
-    loss = work.loss_fn(pred, work.labels) / work.labels.numel()
+    with amp():
+        pred = work.model(work.inputs, **work.extra_inputs)
+        loss = work.loss_fn(pred, work.labels) / work.labels.numel()
     del pred
     marks.mark("loss")
     marks.forward = False
@@ -150,6 +163,18 @@ def trace_iteration(work: bench_floor.FloorWork, groups, marks: Marks) -> dict[s
     return out
 
 
+def world1_precision(work: bench_floor.FloorWork, job_config, device: torch.device):
+    """Turn bench_floor's bf16-parameter model into what the one-GPU trainer runs: fp32
+    parameters (values cast up; timing only), forward under autocast to
+    ``training.mixed_precision_param``. Returns the autocast context factory."""
+    from torchtitan.config import TORCH_DTYPE_MAP
+
+    for p in work.model.parameters():
+        p.data = p.data.to(torch.float32)
+    dtype = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param]
+    return lambda: torch.autocast(device.type, dtype=dtype)
+
+
 def run(args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, Any]:
     """Build bench_floor's work, time the marked fwd+bwd and the optimizer; the result
     dict (not yet written)."""
@@ -157,10 +182,15 @@ def run(args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, Any]:
     policy = job_config.parallelism.fsdp_reshard_after_forward
     with bench_floor.one_rank_process_group():
         work, about = bench_floor.build_work(job_config, args.world_size, device, seed=0)
+        amp = contextlib.nullcontext
+        if args.precision == "world1":
+            amp = world1_precision(work, job_config, device)
+            about = {**about, "param_dtype": "float32 (autocast)"}
         groups, how = fsdp_group_modules(work.model, job_config.model.name, policy)
         marks = Marks(device)
         install_marks(groups, marks)
-        per_iter = [trace_iteration(work, groups, marks) for _ in range(args.warmup + args.iters)]
+        per_iter = [trace_iteration(work, groups, marks, amp)
+                    for _ in range(args.warmup + args.iters)]  # fmt: skip
         per_iter = per_iter[args.warmup :]
         optimizer = {
             v: common.median(bench_floor.time_iterations(
@@ -181,6 +211,7 @@ def run(args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, Any]:
     return {
         **bench_floor.result_header("trace", args, overrides, device, about),
         "grouping": how,
+        "precision": args.precision,
         "groups": rows,
         "fwd_bwd_ms": med["fwd_bwd"],
         "root_fwd_ms": med["root_fwd"],
@@ -221,6 +252,9 @@ def main(argv: Sequence[str] | None = None, runner: Callable = run) -> int:
     parser.add_argument("--config", default="h200x2_llama70b_4layers")
     parser.add_argument("--world-size", type=int, default=2,
                         help="ranks of the step whose per-GPU work is traced")  # fmt: skip
+    parser.add_argument("--precision", choices=("fsdp2", "world1"), default="fsdp2",
+                        help="fsdp2: bf16 parameters (FSDP2's mixed precision); world1: what "
+                             "the one-GPU trainer runs (fp32 weights under autocast)")  # fmt: skip
     parser.add_argument("--device", default="auto", help="auto | cuda | cpu")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
@@ -228,8 +262,11 @@ def main(argv: Sequence[str] | None = None, runner: Callable = run) -> int:
     args, overrides = parser.parse_known_args(argv)
     if args.world_size < 1 or args.iters < 1 or args.warmup < 0:
         parser.error("--world-size and --iters must be >= 1, --warmup >= 0")
+    if args.precision == "world1" and args.world_size != 1:
+        parser.error("--precision world1 is the one-GPU trainer: use --world-size 1")
     result = runner(args, overrides)
-    stem = common.result_stem(args.out_dir, f"trace_{result['config']}", result["metadata"])
+    kind = "trace_world1" if args.precision == "world1" else "trace"
+    stem = common.result_stem(args.out_dir, f"{kind}_{result['config']}", result["metadata"])
     print(write_outputs(stem, result))
     print(f"results: {stem}.json / .md / .png", flush=True)
     return 0

@@ -463,7 +463,7 @@ def render(results: Sequence[Result], out_dir: Path, report_png: Path | None) ->
             "## Projections (model estimates, not measurements)",
             "",
             (
-                "Computed from a model of the system (`python -m torchtitan_tide.simulate "
+                "Computed from a model of the system (`python -m torchtitan_tide.simulator "
                 "--report`), not measured on a machine."
             ),
             "",

@@ -32,7 +32,7 @@ import bisect
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from torchtitan_tide.simulate_engine import intersect_length, merge
+from torchtitan_tide.simulator.engine import intersect_length, merge
 
 __all__ = ["intersect_length", "length", "mean_breakdown", "merge", "step_breakdown"]
 

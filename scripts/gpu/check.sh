@@ -5,6 +5,7 @@
 #   TIDE_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu/check.sh
 #   STAGES="collectives interference step report" bash scripts/gpu/check.sh
 #   STAGES="tests floor" bash scripts/gpu/check.sh      # all that runs on ONE GPU (~5 min)
+#   STAGES=world1 bash scripts/gpu/check.sh             # the simulator's world-1 inputs (one GPU)
 # Stages (default: all, in this order) and their rough time on 2x H200:
 #   tests         GPU-marked pytest tests (incl. every benchmark at a small size)  ~2-3 min
 #                 (1 GPU: the 2-GPU tests skip; the rest ~1.5 min); not the emulation ones
@@ -20,6 +21,10 @@
 #   trace         bench_trace per config in TRACE_CONFIGS (default FLOOR_CONFIGS), on GPU 0:
 #                 per-FSDP-group fwd/bwd ms of the FLOOR_WORLD-rank step's per-GPU work on
 #                 one GPU (the simulator's --trace input; compact JSON, no chrome trace)   ~40 s llama, ~30 s qwen3, ~1.5 min wan22
+#   world1        not in the default list: what the one-GPU trainer runs, on GPU 0 (the
+#                 simulator's world-1 rows and trainer-time input): bench_trace --precision
+#                 world1 per WORLD1_TRACE_CONFIGS (llama, qwen3: ~40 s each), then a profiled
+#                 world-1 fsdp2 bench_step per WORLD1_STEP_CONFIGS (wan22: ~2 min)
 #   train         debug model, every comm mode, 1 round (bench_step)               ~1.5 min
 #   step          bench_step per config in STEP_CONFIGS, all modes                 ~2.5 min/config
 #   bench         bench_ag (TIDE-AG vs stock, copy-engine batch)                   ~1 min
@@ -29,7 +34,8 @@
 #   report        report.py over bench/results                                     seconds
 # Knobs: FLOOR_CONFIGS (the three h200x2_* configs), TRACE_CONFIGS, TRACE_ARGS, FLOOR_WORLD (2: ranks of the step whose
 # per-GPU work is measured), FLOOR_ARGS (more bench_floor arguments, e.g. "--warmup 1"), STEPS (train, 30), STEP_CONFIGS (h200x2_llama70b_4layers),
-# STEP_STEPS (12), STEP_ROUNDS (1), STEP_MODES / MODES (fsdp2,symm_mem,tide), COLL_ITERS (20), INTERF_REPS (6).
+# STEP_STEPS (12), STEP_ROUNDS (1), STEP_MODES / MODES (fsdp2,symm_mem,tide), COLL_ITERS (20), INTERF_REPS (6),
+# WORLD1_TRACE_CONFIGS, WORLD1_STEP_CONFIGS, WORLD1_ITERS (3), WORLD1_STEPS (8), WORLD1_WARMUP (4).
 # Results (JSON/MD/PNG) land in bench/results/; $OUT gets results.tgz (this run's result
 # files), the report (.md/.png), summary.md and logs.tgz (every log), i.e. few files.
 # Needs the wheels from scripts/gpu/fetch_wheels.sh in .whl/ (carry ".whl"); the emulation
@@ -114,6 +120,25 @@ if has trace; then
       python3 scripts/bench/bench_trace.py --config "$config" --world-size "${FLOOR_WORLD:-2}" \
       --out-dir bench/results ${TRACE_ARGS:-}
     note "  $(grep -o 'fwd+bwd [0-9.]* ms' "$LOGS/trace_$config.log" | tail -1)"
+  done
+fi
+
+# What the one-GPU trainer runs (no FSDP: fp32 weights under autocast), for the simulator's
+# world-1 rows and its per-step trainer-time input (docs/2026-12-02-simulator.md): layer
+# traces at world 1, and a profiled world-1 fsdp2 step (breakdown) of each WORLD1_STEP_CONFIGS.
+if has world1; then
+  first_gpu="${CUDA_VISIBLE_DEVICES:-0}"
+  for config in ${WORLD1_TRACE_CONFIGS:-h200x2_llama70b_4layers h200x2_qwen3_30b_a3b_4layers}; do
+    run "trace_world1_$config" 300 env CUDA_VISIBLE_DEVICES="${first_gpu%%,*}" \
+      python3 scripts/bench/bench_trace.py --config "$config" --world-size 1 --precision world1 \
+      --iters "${WORLD1_ITERS:-3}" --out-dir bench/results
+    note "  $(grep -o 'fwd+bwd [0-9.]* ms' "$LOGS/trace_world1_$config.log" | tail -1)"
+  done
+  for config in ${WORLD1_STEP_CONFIGS:-h200x2_wan22_a14b_20layers}; do
+    run "step_world1_$config" 480 env CUDA_VISIBLE_DEVICES="${first_gpu%%,*}" \
+      python3 scripts/bench/bench_step.py --config "$config" --modes fsdp2 --rounds 1 \
+      --steps "${WORLD1_STEPS:-8}" --warmup "${WORLD1_WARMUP:-4}" --out-dir bench/results \
+      --log-dir "$LOGS"
   done
 fi
 

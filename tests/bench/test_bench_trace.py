@@ -29,3 +29,22 @@ def test_trace_debug_model_on_cpu(tmp_path):
     assert abs(parts - result["fwd_bwd_ms"]) < 1e-6 * max(1.0, result["fwd_bwd_ms"])
     assert result["root_bwd_ms"] >= 0 and result["adamw_ms"] > 0
     assert path.stat().st_size < 20_000  # compact: no chrome trace
+
+
+def test_trace_world1_precision_on_cpu(tmp_path):
+    """--precision world1: what the one-GPU trainer runs (fp32 weights, forward under
+    autocast), written as trace_world1_<config>; refused with a world size other than 1."""
+    base = [sys.executable, str(BENCH / "bench_trace.py"), "--device", "cpu", "--iters", "1",
+            "--warmup", "0", "--out-dir", str(tmp_path), "--precision", "world1", *TINY]  # fmt: skip
+    bad = subprocess.run([*base, "--world-size", "2"], capture_output=True, text=True,
+                         timeout=300, cwd=REPO, check=False)  # fmt: skip
+    assert bad.returncode != 0 and "--world-size 1" in bad.stderr
+    proc = subprocess.run([*base, "--world-size", "1"], capture_output=True, text=True,
+                          timeout=300, cwd=REPO, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not list(tmp_path.glob("*_trace_debug_model.json"))
+    (path,) = tmp_path.glob("*_trace_world1_debug_model.json")
+    result = json.loads(path.read_text())
+    assert result["precision"] == "world1" and result["world_size"] == 1
+    assert result["work"]["param_dtype"] == "float32 (autocast)"
+    assert all(g["fwd_ms"] > 0 and g["bwd_ms"] > 0 for g in result["groups"])

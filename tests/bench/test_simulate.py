@@ -1,7 +1,9 @@
-"""The step simulator's event model on hand-made cases (pure Python, no GPUs): the exposed
-first all-gather, one communicator serializing all-gather and reduce-scatter, a slow
-layer, TIDE-RS's pipelined phases and its run-ahead bound, interference; cluster files;
-the committed validation rows; the CLI."""
+"""The step simulator on hand-made cases (pure Python, no GPUs): the exposed first
+all-gather, one communicator serializing all-gather and reduce-scatter, a slow layer,
+TIDE-RS's pipelined phases, its accumulate kernels and its run-ahead bound, interference
+in both directions, symm_mem's NCCL generations, TIDE's cross-node options; cluster
+files; the inputs and their sources; the committed validation rows; the CLI; the
+package's import order."""
 
 from __future__ import annotations
 
@@ -9,9 +11,10 @@ import json
 
 import pytest
 
-from torchtitan_tide import simulate as sim
 from torchtitan_tide.comm.memory_plan import CommDtypes, GroupShape
-from torchtitan_tide.simulate_engine import Op, SimulationError, simulate, summarize
+from torchtitan_tide.simulator import cli, cluster, inputs, report
+from torchtitan_tide.simulator import step as sim
+from torchtitan_tide.simulator.engine import Op, SimulationError, simulate, summarize
 
 GIB_BF16 = 2**29  # elements of one GiB in bf16
 DTYPES = CommDtypes(param_bytes=2, reduce_bytes=4, master_bytes=4)
@@ -73,14 +76,16 @@ def test_cycles_and_unknown_dependencies_are_errors():
         simulate([Op("a", "compute", 1.0, after=("b",)), Op("b", "nccl", 1.0, after=("a",))])
 
 
-def _inputs(compute: dict[str, tuple[float, float]], ag=1.0, rs=1.0, **kw) -> sim.Inputs:
-    bw = {m: {"ag": ag, "rs": rs} for m in ("fsdp2", "symm_mem", "tide", "tide_ag")}
+def _inputs(compute: dict[str, tuple[float, float]], ag=1.0, rs=1.0, **kw) -> inputs.Inputs:
+    bw = {m: {"ag": ag, "rs": rs} for m in inputs.MODES}
     zero = {m: {"ag": 0.0, "rs": 0.0} for m in bw}
-    return sim.Inputs(
-        compute={k: sim.GroupCompute(*v) for k, v in compute.items()},
+    return inputs.Inputs(
+        compute={k: inputs.GroupCompute(*v) for k, v in compute.items()},
         root_fwd_ms=0.0, root_bwd_ms=0.0, optimizer_ms_per_shard_elem=0.0, host_ms=0.0,
         bandwidth_gibps=bw, interference=kw.get("interference", zero), layout_ns={},
-        shape_class=sim.LARGE,
+        shape_class=inputs.LARGE, comm_slowdown=kw.get("comm_slowdown", zero),
+        accumulate_gibps=kw.get("accumulate_gibps", 0.0),
+        accumulate_sm_share=kw.get("accumulate_sm_share", 1.0),
     )  # fmt: skip
 
 
@@ -94,8 +99,8 @@ def test_slow_layer_exposes_the_next_all_gather():
     fast = _inputs({"layers.0": (1000, 0), "layers.1": (1000, 0), "layers.2": (1000, 0)}, rs=1e9)
     slow = _inputs({"layers.0": (1000, 0), "layers.1": (200, 0), "layers.2": (1000, 0)}, rs=1e9)
     lay = sim.Layout(2, 2)
-    fig_fast, _ = sim.simulate_step(groups, fast, "fsdp2", lay, sim.Cluster(), DTYPES)
-    fig_slow, spans = sim.simulate_step(groups, slow, "fsdp2", lay, sim.Cluster(), DTYPES)
+    fig_fast, _ = sim.simulate_step(groups, fast, "fsdp2", lay, cluster.Cluster(), DTYPES)
+    fig_slow, spans = sim.simulate_step(groups, slow, "fsdp2", lay, cluster.Cluster(), DTYPES)
     assert fig_fast["exposed_first_ms"] == pytest.approx(500.0)
     assert fig_fast["exposed_between_ms"] == pytest.approx(0.0, abs=1e-6)
     # layer 1 (200 ms) is shorter than layer 2's 500 ms all-gather: 300 ms exposed
@@ -105,46 +110,147 @@ def test_slow_layer_exposes_the_next_all_gather():
 
 def test_tide_rs_phases_pipeline_across_groups():
     # 16 GPUs = 2 nodes x 8; per group shard S = 2^29 / 16 elements; no compute, so the
-    # four reduce-scatters queue at once
+    # four reduce-scatters queue at once; accumulate kernels free (rate 0 = not charged)
     groups = _groups(4)
     s = GIB_BF16 // 16
-    cluster = sim.Cluster(gpus_per_node=8, nic_gbps_per_gpu=2**30 * 8 / 1e9)  # 1 GiB/s
-    inputs = _inputs({g.name: (0.0, 0.0) for g in groups}, ag=1e9, rs=100.0)
+    clu = cluster.Cluster(gpus_per_node=8, nic_gbps_per_gpu=2**30 * 8 / 1e9)  # 1 GiB/s
+    ins = _inputs({g.name: (0.0, 0.0) for g in groups}, ag=1e9, rs=100.0)
     lay = sim.Layout(16, 8)
     local = 1e3 * 7 * 2 * s * 2 / (100 * 2**30)  # (L-1) N S b_grad at 100 GiB/s
     cross = 1e3 * 1 * s * 4 / 2**30  # (N-1) S fp32 at 1 GiB/s
-    _, spans = sim.simulate_step(groups, inputs, "tide", lay, cluster, DTYPES, rs_inflight=4)
+    tide = sim.TideModel(rs_inflight=4, rs_rows=8, on_tide_stream=False)
+    _, spans = sim.simulate_step(groups, ins, "tide", lay, clu, DTYPES, tide)
     by = _by_name(spans)
     assert by["layers.3.rs"].op.duration_ms == pytest.approx(local)
     assert by["layers.3.rs_net"].op.duration_ms == pytest.approx(cross)
+    assert by["layers.3.rs"].op.stream == "rs_local"
     # phase 1 of the next group runs while phase 2 of the previous one is in flight:
     # the last partial lands after one local phase + four cross-node phases, not 4 x both
     assert by["layers.2.rs"].start_ms < by["layers.3.rs_net"].end_ms
-    last = max(s.end_ms for s in spans if s.op.name.endswith("rs_net"))
+    last = max(s.end_ms for s in spans if s.op.name.endswith("rs_net_acc"))
     assert last == pytest.approx(by["layers.3.rs"].start_ms + local + 4 * cross)
-    # [tide] rs_wire_dtype = "bfloat16": half the cross-node bytes, half the time
-    _, bf16 = sim.simulate_step(groups, inputs, "tide", lay, cluster, DTYPES, 4, rs_wire_bytes=2)
-    assert _by_name(bf16)["layers.3.rs_net"].op.duration_ms == pytest.approx(cross / 2)
+    # bf16 partials on the wire: half the cross-node time
+    bf16 = sim.TideModel(rs_inflight=4, rs_rows=8, on_tide_stream=False, rs_wire_bytes=2)
+    by2 = _by_name(sim.simulate_step(groups, ins, "tide", lay, clu, DTYPES, bf16)[1])
+    assert by2["layers.3.rs_net"].op.duration_ms == pytest.approx(cross / 2)
 
 
 def test_tide_rs_run_ahead_bound_waits_for_partials():
     # slow network: with K = 1 partial in flight, phase 1 of group j waits for phase 2 of j+1
     groups = _groups(3)
-    cluster = sim.Cluster(gpus_per_node=8, nic_gbps_per_gpu=0.01)
-    inputs = _inputs({g.name: (0.0, 1.0) for g in groups}, ag=1e9, rs=1e9)
+    clu = cluster.Cluster(gpus_per_node=8, nic_gbps_per_gpu=0.01)
+    ins = _inputs({g.name: (0.0, 1.0) for g in groups}, ag=1e9, rs=1e9)
     lay = sim.Layout(16, 8)
-    _, k1 = sim.simulate_step(groups, inputs, "tide", lay, cluster, DTYPES, rs_inflight=1)
-    _, k2 = sim.simulate_step(groups, inputs, "tide", lay, cluster, DTYPES, rs_inflight=2)
-    k1, k2 = _by_name(k1), _by_name(k2)
-    assert k1["layers.1.rs"].start_ms == pytest.approx(k1["layers.2.rs_net"].end_ms)
-    assert k2["layers.1.rs"].start_ms < k2["layers.2.rs_net"].end_ms
-    assert k2["layers.0.rs"].start_ms == pytest.approx(k2["layers.2.rs_net"].end_ms)
+    one, two = (sim.TideModel(rs_inflight=k, on_tide_stream=False) for k in (1, 2))
+    k1 = _by_name(sim.simulate_step(groups, ins, "tide", lay, clu, DTYPES, one)[1])
+    k2 = _by_name(sim.simulate_step(groups, ins, "tide", lay, clu, DTYPES, two)[1])
+    assert k1["layers.1.rs"].start_ms == pytest.approx(k1["layers.2.rs_net_acc"].end_ms)
+    assert k2["layers.1.rs"].start_ms < k2["layers.2.rs_net_acc"].end_ms
+    assert k2["layers.0.rs"].start_ms == pytest.approx(k2["layers.2.rs_net_acc"].end_ms)
+
+
+def test_accumulate_kernels_take_compute_time_by_their_share():
+    ops = [
+        Op("acc", "side", 4.0, "sm", sm_share=1.0),
+        Op("gemm", "compute", 10.0),
+    ]
+    spans = _by_name(simulate(ops))
+    assert spans["gemm"].end_ms == pytest.approx(14.0)  # paused while the kernel held the SMs
+    fig = summarize(list(spans.values()))
+    assert fig["sm_ms_taken"] == pytest.approx(4.0) and fig["sm_kernel_ms"] == pytest.approx(4.0)
+    half = _by_name(simulate([Op("acc", "side", 4.0, "sm", sm_share=0.5), ops[1]]))
+    assert half["gemm"].end_ms == pytest.approx(12.0)
+    with pytest.raises(SimulationError, match="sm_share"):
+        simulate([Op("x", "side", 1.0, "rs", sm_share=0.5)])
+    with pytest.raises(SimulationError, match="beside compute"):
+        simulate([Op("x", "compute", 1.0, "sm", sm_share=0.5)])
+    # a zero-SM cross-node phase alone counts as exposed communication
+    idle = summarize(simulate([Op("put", "rs_net", 3.0, "net0"), Op("opt", "compute", 1.0,
+                                                                     "optimizer", after=("put",))]))  # fmt: skip
+    assert idle["exposed_ms"] == pytest.approx(3.0)
+
+
+def test_collective_slowed_beside_compute():
+    ops = [
+        Op("ag", "nccl", 4.0, "ag", slowdown={"compute": 1.0}),
+        Op("gemm", "compute", 2.0),
+    ]
+    spans = _by_name(simulate(ops))
+    # 2 ms beside the GEMM at half rate (1 ms of work), then 3 ms alone
+    assert spans["ag"].end_ms == pytest.approx(5.0)
+    assert summarize(list(spans.values()))["comm_slowed_ms"] == pytest.approx(1.0)
+
+
+def test_tide_accumulate_ops_by_hand_on_the_tide_stream_under_slot_reuse():
+    # 2 GPUs, one node: phase 1 reads 2 bf16 rows and writes fp32, 8 B per shard element
+    groups = _groups(2)
+    s = GIB_BF16 // 2
+    ins = _inputs({g.name: (0.0, 50.0) for g in groups}, ag=1e9, rs=1e9, accumulate_gibps=4.0)
+    lay = sim.Layout(2, 2)
+    _, spans = sim.simulate_step(groups, ins, "tide", lay, cluster.Cluster(), DTYPES)
+    by = _by_name(spans)
+    assert by["layers.1.rs_acc"].op.duration_ms == pytest.approx(1e3 * 8 * s / (4.0 * 2**30))
+    assert by["layers.1.rs_acc"].op.stream == by["layers.1.rs"].op.stream == "ce"
+    assert by["layers.1.rs_acc"].op.kind == "sm"
+    # the kernel of layers.1 runs beside layers.0's backward and delays it by its length
+    assert by["layers.0.bwd"].end_ms == pytest.approx(100.0 + by["layers.1.rs_acc"].op.duration_ms)
+    assert sim.accumulate_bytes(s, lay, sim.TideModel(), 2) == (8 * s, 0)
+    # 8 per node, 2 rows per window (4 windows: 3 re-reads), 2 nodes; phase 2 fp32
+    assert sim.accumulate_bytes(10, sim.Layout(16, 8), sim.TideModel(), 2) == (
+        2 * 10 * (8 * 2 + 4 * 4 + 4 * 3),
+        10 * 12,
+    )
+
+
+def test_symm_mem_generations_and_one_sided_transport():
+    groups = _groups(2, reshard=True)
+    ins = _inputs({g.name: (10.0, 20.0) for g in groups}, interference={
+        m: {"ag": 0.5, "rs": 0.5} for m in inputs.MODES})  # fmt: skip
+    lay = sim.Layout(16, 8)
+    old = cluster.Cluster(nccl_version="2.28.9")
+    new = cluster.Cluster(nccl_version="2.31.2")
+    assert not old.hierarchical_ag and new.hierarchical_ag and new.hierarchical_rs
+    names_old = {
+        s.op.name: s.op for s in sim.simulate_step(groups, ins, "symm_mem", lay, old, DTYPES)[1]
+    }
+    names_new = {
+        s.op.name: s.op for s in sim.simulate_step(groups, ins, "symm_mem", lay, new, DTYPES)[1]
+    }
+    s = GIB_BF16 // 16
+    ring_rs = sim.stock_ms(s * 4, lay, 1.0, old.net_gibps)
+    cross, local = sim.hierarchical_ms(s * 4, lay, 1.0, new.net_gibps)
+    assert names_old["layers.0.rs"].duration_ms == pytest.approx(ring_rs)
+    # NCCL >= 2.30.7: node-local and cross-node phases pipelined in one collective
+    assert names_new["layers.0.rs"].duration_ms == pytest.approx(max(cross, local))
+    assert names_new["layers.0.rs"].stream == "nccl" and "layers.0.fwd.ag_net" not in names_new
+    # TIDE across nodes: NCCL p2p phases slow compute like NCCL kernels; one-sided does not
+    p2p = {s.op.name: s for s in sim.simulate_step(groups, ins, "tide", lay, old, DTYPES)[1]}
+    one = {s.op.name: s for s in sim.simulate_step(
+        groups, ins, "tide", lay, old, DTYPES, sim.TideModel(cross_node="one_sided"))[1]}  # fmt: skip
+    assert p2p["layers.0.rs_net"].op.kind == "net" and one["layers.0.rs_net"].op.kind == "net0"
+    assert "net" in p2p["layers.0.fwd"].op.slowdown
+    # TIDE-AG goes one-sided only with one rank per node (several: send/recv, as the code)
+    assert one["layers.0.fwd.ag_net"].op.kind == "net"
+    lay1 = sim.Layout(2, 1)
+    one1 = {s.op.name: s.op for s in sim.simulate_step(
+        groups, ins, "tide", lay1, old, DTYPES, sim.TideModel(cross_node="one_sided"))[1]}  # fmt: skip
+    assert one1["layers.0.fwd.ag_net"].kind == "net0" and one1["layers.0.rs_net"].kind == "net0"
+    # the config's [tide] cross_node_transport chooses the default
+    from types import SimpleNamespace
+
+    tide_cfg = SimpleNamespace(rs_inflight=2, rs_rows=2, slot_reuse=True)
+    for chosen, expected in (("nccl_one_sided", "one_sided"), ("auto", "p2p"), ("p2p", "p2p")):
+        assert sim.tide_model_of(SimpleNamespace(**vars(tide_cfg), cross_node_transport=chosen)
+                                 ).cross_node == expected  # fmt: skip
+    assert sim.tide_model_of(tide_cfg, cross_node="one_sided").cross_node == "one_sided"
+    with pytest.raises(inputs.SimulateError, match="cross_node"):
+        sim.TideModel(cross_node="rdma")
 
 
 def test_backward_regather_for_resharded_groups_only():
     groups = [*_groups(2, reshard=True), GroupShape("norm+output", ((GIB_BF16,),), False)]
-    inputs = _inputs({g.name: (10.0, 20.0) for g in groups}, rs=1e9)
-    _, spans = sim.simulate_step(groups, inputs, "fsdp2", sim.Layout(2, 2), sim.Cluster(), DTYPES)
+    ins = _inputs({g.name: (10.0, 20.0) for g in groups}, rs=1e9)
+    _, spans = sim.simulate_step(groups, ins, "fsdp2", sim.Layout(2, 2), cluster.Cluster(), DTYPES)
     names = {s.op.name for s in spans}
     assert {"layers.0.bwd.ag", "layers.1.bwd.ag"} <= names
     assert "norm+output.bwd.ag" not in names
@@ -162,75 +268,211 @@ def test_stock_ring_and_hierarchical_by_hand():
 
 
 def test_cluster_file(tmp_path):
-    assert sim.load_cluster(None).gpus_per_node == 8
+    assert cluster.load_cluster(None).gpus_per_node == 8
     good = tmp_path / "c.toml"
     good.write_text(
-        "[cluster]\ngpus_per_node = 4\nnic_gbps_per_gpu = 200\nnccl_hierarchical_ag = true\n"
+        '[cluster]\ngpus_per_node = 4\nnic_gbps_per_gpu = 200\nnccl_version = "2.30.7"\n'
     )
-    c = sim.load_cluster(good)
-    assert (c.gpus_per_node, c.nccl_hierarchical_ag) == (4, True)
+    c = cluster.load_cluster(good)
+    assert (c.gpus_per_node, c.hierarchical_ag) == (4, True)
     assert c.net_gibps == pytest.approx(200e9 / 8 / 2**30)
-    bad = tmp_path / "b.toml"
-    bad.write_text("[cluster]\nnic_gbps = 1\n")
-    with pytest.raises(sim.SimulateError, match="unknown key"):
-        sim.load_cluster(bad)
-    for name in ("h200_8x400g", "h200_8x400g_nccl2307", "h200_8x200g"):
-        sim.load_cluster(sim.REPO / "train_configs" / "clusters" / f"{name}.toml")
+    for text, match in (("nic_gbps = 1", "unknown key"), ("nccl_hierarchical_ag = true", "nccl_version"),
+                        ('nccl_version = "two"', "MAJOR")):  # fmt: skip
+        bad = tmp_path / "b.toml"
+        bad.write_text(f"[cluster]\n{text}\n")
+        with pytest.raises(cluster.ClusterError, match=match):
+            cluster.load_cluster(bad)
+    for name in ("h200_8x400g", "h200_8x400g_nccl231", "h200_8x200g"):
+        cluster.load_cluster(inputs.REPO / "train_configs" / "clusters" / f"{name}.toml")
+
+
+def test_inputs_name_their_sources_and_charge_tide_rs_once():
+    from torchtitan_tide.plan import load_config_model
+
+    cm = load_config_model("h200x2_qwen3_30b_a3b_4layers")
+    ins = inputs.build_inputs(cm, inputs.RESULTS, None, 0.4)
+    for key in (
+        "compute",
+        "optimizer",
+        "host",
+        "bandwidth",
+        "interference",
+        "accumulate",
+        "layout",
+        "cross_node",
+    ):
+        assert ".json" in ins.sources[key] or key == "host", (key, ins.sources[key])
+    assert 3000 < ins.accumulate_gibps < 4500 and ins.accumulate_sm_share == pytest.approx(1.0)
+    # measured beside GEMMs: every all-gather slower, TIDE-RS's GEMM share net of its kernels
+    assert all(ins.comm_slowdown[m]["ag"] > 0.2 for m in ("fsdp2", "symm_mem", "tide"))
+    assert ins.interference["tide"]["rs"] < 0.114  # 11.4% measured, minus the accumulate
+    # TIDE-RS copies alone are faster than the measured RS including its accumulate
+    assert ins.bandwidth_gibps["tide"]["rs"] > 0.5 * 455.7
 
 
 def test_validation_rows_carry_their_keys_and_explain_misses():
-    from torchtitan_tide.simulate_report import validation_rows
-
-    rows = validation_rows(sim.RESULTS, sim.Cluster())
+    rows = report.validation_rows(inputs.RESULTS, cluster.Cluster())
     modes = {(r["config"], r["mode"]) for r in rows}
-    assert len([m for m in modes if m[1] in sim.MODES]) == 12  # 3 configs x 4 modes
+    assert len([m for m in modes if m[1] in inputs.MODES]) == 12  # 3 configs x 4 modes
+    assert len([r for r in rows if r["gpus"] == 1]) >= 2  # Llama and Qwen3 at world 1
     for r in rows:
-        assert {"config", "mode", "simulated_step_ms", "measured_step_ms"} <= set(r)
+        assert {"config", "mode", "simulated_step_ms", "measured_step_ms", "sources"} <= set(r)
         assert r["within_5pct"] or r["missing"] not in ("", "not explained"), r
+        if r["config"].startswith("h200x2_llama") and r["mode"] == "tide":
+            assert r["accumulate_ms"] > 0 and r["sm_ms_taken"] > 0  # TIDE's kernels charged
+    sources = report.source_rows(rows, cluster.Cluster())
+    measured = [s for s in sources if s["input"].startswith("measured step")]
+    assert len(measured) == len(rows) and all(".json" in s["source"] or "issue 21" in s["source"]
+                                              for s in measured)  # fmt: skip
+    assert {s["input"] for s in sources} >= {"compute", "accumulate", "interference", "cluster"}
+
+
+def test_baseline_table_compares_tide_with_the_stronger_symm_mem():
+    rows = report.baseline_rows(inputs.RESULTS, cluster.Cluster(), gpus=16)
+    qwen = {r["variant"]: r for r in rows if r["model"] == "qwen3_30b_a3b"}
+    symm = [v for v in qwen if v.startswith("symm_mem")]
+    assert len(symm) == 2
+    strongest = min(symm, key=lambda v: qwen[v]["sim_step_ms"])
+    tide = qwen["tide"]
+    assert tide["stronger_symm_mem"] == strongest
+    assert tide["vs_symm_speedup"] == pytest.approx(
+        qwen[strongest]["sim_step_ms"] / tide["sim_step_ms"]
+    )
+    assert tide["vs_fsdp2_reduction_pct"] == pytest.approx(
+        100 * (1 - tide["sim_step_ms"] / qwen["fsdp2"]["sim_step_ms"])
+    )
+    assert "27.1%" in report.PAPER and "1.372x" in report.PAPER and "1.064x" in report.PAPER
 
 
 def test_cli_prints_rows_and_sources(tmp_path, capsys):
     out = tmp_path / "rows.json"
     assert (
-        sim.main(["--config", "h200x2_llama70b_4layers", "--gpus", "16", "--json", str(out)]) == 0
+        cli.main(["--config", "h200x2_llama70b_4layers", "--gpus", "16", "--json", str(out)]) == 0
     )
     text = capsys.readouterr().out
     assert "SIMULATION" in text and "| tide |" in text and "compute: trace" in text
+    assert "accumulate:" in text
     rows = json.loads(out.read_text())["rows"]
-    assert {r["mode"] for r in rows} == set(sim.MODES) and rows[0]["nodes"] == 2
+    assert {r["mode"] for r in rows} == set(inputs.MODES) and rows[0]["nodes"] == 2
     with pytest.raises(SystemExit):
-        sim.main(["--config", "h200x2_llama70b_4layers", "--gpus", "12"])  # not whole nodes
+        cli.main(["--config", "h200x2_llama70b_4layers", "--gpus", "12"])  # not whole nodes
 
 
 def test_inputs_fall_back_to_flops_when_the_trace_has_other_layers():
     from torchtitan_tide.plan import load_config_model
 
     cm = load_config_model("debug_model")  # llama3_tide, but not the 70B layer of the trace
-    inputs = sim.build_inputs(cm, sim.RESULTS, None, mfu=0.5)
-    assert "trace_not_used" in inputs.sources and inputs.sources["compute"].startswith("FLOPs")
-    layer = inputs.compute["layers.0"]
+    ins = inputs.build_inputs(cm, inputs.RESULTS, None, mfu=0.5)
+    assert "trace_not_used" in ins.sources and ins.sources["compute"].startswith("FLOPs")
+    layer = ins.compute["layers.0"]
     assert layer.bwd_ms == pytest.approx(2 * layer.fwd_ms)  # no activation checkpointing
-    assert inputs.optimizer_ms_per_shard_elem > 0
+    assert ins.optimizer_ms_per_shard_elem > 0
 
 
-def test_host_time_drops_the_loss_read_when_logging_every_n_steps():
-    every, _ = sim.host_ms({"metrics": {"log_freq": 1}}, "h200x2_qwen3_30b_a3b_4layers")
-    tenth, text10 = sim.host_ms({"metrics": {"log_freq": 10}}, "h200x2_qwen3_30b_a3b_4layers")
+def test_host_time_from_a_world1_step_file_or_the_recorded_figures(tmp_path):
+    every, _ = inputs.host_ms({"metrics": {"log_freq": 1}}, "h200x2_qwen3_30b_a3b_4layers")
+    tenth, text10 = inputs.host_ms({"metrics": {"log_freq": 10}}, "h200x2_qwen3_30b_a3b_4layers")
     assert every == pytest.approx(29.5) and tenth == pytest.approx(29.5 - (199.8 - 173.7))
-    assert "loss read" in text10 and sim.host_ms({}, "unknown")[0] == 0.0
+    assert "loss read" in text10 and inputs.host_ms({}, "unknown")[0] == 0.0
+    wan = "h200x2_wan22_a14b_20layers"
+    assert inputs.host_ms({}, wan, tmp_path)[1].startswith("not measured")
+    row = {"mode": "fsdp2", "best_step_ms": 8100.0, "bd_step_ms": 8200.0, "bd_compute_ms": 7300.0,
+           "bd_optimizer_ms": 90.0, "bd_host_bound_ms": 500.0, "bd_other_idle_ms": 210.0}  # fmt: skip
+    result = {"metadata": {"world_size": 1, "date": "2026-12-03"}, "rows": [row]}
+    (tmp_path / f"x_step_{wan}.json").write_text(json.dumps(result))
+    host, text = inputs.host_ms({}, wan, tmp_path)
+    assert host == pytest.approx(710.0) and f"x_step_{wan}.json" in text
+
+
+def test_world1_rows_say_when_the_world1_trace_is_missing(tmp_path):
+    from torchtitan_tide.plan import load_config_model
+
+    cm = load_config_model("h200x2_llama70b_4layers")
+    ins = inputs.build_inputs(cm, inputs.RESULTS, None, 0.4, world1=True)
+    has_trace = inputs.newest_world1_trace(inputs.RESULTS, "h200x2_llama70b_4layers")
+    assert ("world1_trace" in ins.sources) == (has_trace is None)
+    # without it: autocast's casts on the bf16 trace, once per weight forward and backward
+    base = inputs.build_inputs(cm, inputs.RESULTS, None, 0.4).compute
+    cast, _ = inputs.autocast_casts(
+        base, cm.groups, "none", inputs.RESULTS, "h200x2_llama70b_4layers"
+    )
+    g = cm.groups[1]
+    added = cast[g.name].fwd_ms - base[g.name].fwd_ms
+    assert added == pytest.approx(4.774 / 2761986048 * g.numel, rel=1e-3)  # bench_floor cast
+    assert cast[g.name].bwd_ms - base[g.name].bwd_ms == pytest.approx(added)
+    full, _ = inputs.autocast_casts(
+        base, cm.groups, "full", inputs.RESULTS, "h200x2_llama70b_4layers"
+    )
+    assert full[g.name].bwd_ms - base[g.name].bwd_ms == pytest.approx(2 * added)
+    empty, why = inputs.autocast_casts(base, cm.groups, "none", tmp_path, "h200x2_llama70b_4layers")
+    assert empty == dict(base) and "not charged" in why
 
 
 def test_stream_picture_marks_the_exposed_first_all_gather(tmp_path):
-    from torchtitan_tide import simulate_report
-
     pytest.importorskip("matplotlib")
     path = tmp_path / "streams.png"
-    assert simulate_report.draw_streams(
-        path, "h200x2_llama70b_4layers", 2, sim.Cluster(), sim.RESULTS
+    assert report.draw_streams(
+        path, "h200x2_llama70b_4layers", 2, cluster.Cluster(), inputs.RESULTS
     )
     assert path.stat().st_size > 10_000
-    result = sim.simulate_config("h200x2_llama70b_4layers", 2, ["fsdp2"], sim.Cluster())
-    exposed = simulate_report.exposed_intervals(result["spans"]["fsdp2"])
+    result = sim.simulate_config("h200x2_llama70b_4layers", 2, ["fsdp2"], cluster.Cluster())
+    exposed = report.exposed_intervals(result["spans"]["fsdp2"])
     assert exposed[0][0] == pytest.approx(0.0)  # the first all-gather, before any compute
     total = sum(b - a for a, b in exposed)
     assert total == pytest.approx(result["rows"][0]["sim_exposed_ms"])
+
+
+def test_package_modules_import_only_earlier_ones():
+    """No import circle: each module of torchtitan_tide/simulator imports only modules
+    before it in cluster, engine, inputs, step, report, cli."""
+    import ast
+
+    order = ["cluster", "engine", "inputs", "step", "report", "cli"]
+    root = inputs.REPO / "torchtitan_tide" / "simulator"
+    for i, name in enumerate(order):
+        tree = ast.parse((root / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            for target in targets:
+                if target.startswith("torchtitan_tide.simulator."):
+                    used = target.split(".")[2]
+                    assert used in order[:i], f"{name}.py imports {used}"
+    assert not list((inputs.REPO / "torchtitan_tide").glob("simulate*.py"))
+
+
+def test_ring_rs_symm_mem_swaps_only_symm_mem_reduce_scatter():
+    from torchtitan_tide.plan import load_config_model
+
+    cm = load_config_model("h200x2_qwen3_30b_a3b_4layers")
+    ins = inputs.build_inputs(cm, inputs.RESULTS, None, 0.4)
+    ring = report.ring_rs_symm_mem(ins)
+    for table in ("bandwidth_gibps", "interference", "comm_slowdown"):
+        new, old = getattr(ring, table), getattr(ins, table)
+        assert new["symm_mem"]["rs"] == old["fsdp2"]["rs"] != old["symm_mem"]["rs"]
+        assert new["symm_mem"]["ag"] == old["symm_mem"]["ag"] and new["tide"] == old["tide"]
+    # the measured 2-GPU cost of NCCL 2.28.9's symmetric RS kernel: with the ring, faster
+    two = sim.simulate_config(cm.path.stem, 2, ["symm_mem"], cluster.Cluster(), cm=cm, inputs=ins)
+    fix = sim.simulate_config(cm.path.stem, 2, ["symm_mem"], cluster.Cluster(), cm=cm, inputs=ring)
+    assert fix["rows"][0]["sim_step_ms"] < two["rows"][0]["sim_step_ms"]
+
+
+def test_layout_copies_scale_with_the_simulated_model():
+    """Layout kernels cost per element of the measured config: the measured config gets
+    its profiled ms back, a smaller model of the same family proportionally less."""
+    from torchtitan_tide.plan import load_config_model
+
+    measured = load_config_model("h200x2_llama70b_4layers")
+    tiny = load_config_model("debug_model")
+    fig = {}
+    for cm in (measured, tiny):
+        ins = inputs.build_inputs(cm, inputs.RESULTS, None, 0.4)
+        row = sim.simulate_config(cm.path.stem, 2, ["fsdp2"], cluster.Cluster(), cm=cm, inputs=ins)
+        fig[cm.path.stem] = row["rows"][0]["sim_layout_ms"]
+    profiled = 19.14 + 11.19  # chunk_cat + split_with_sizes_copy ms of the 8a9ccda step
+    assert fig["h200x2_llama70b_4layers"] == pytest.approx(profiled, rel=0.01)
+    ratio = tiny.total_numel / measured.total_numel
+    assert fig["debug_model"] == pytest.approx(profiled * ratio, rel=0.05)

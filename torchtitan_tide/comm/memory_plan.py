@@ -2,7 +2,7 @@
 
 Pure Python (integer arithmetic on parameter shapes), so it answers for any GPU count
 without GPUs. ``python -m torchtitan_tide.plan`` builds the groups of a training TOML and
-prints this plan; ``torchtitan_tide.simulate`` shares its groups (``GroupShape``). The
+prints this plan; ``torchtitan_tide.simulator`` shares its groups (``GroupShape``). The
 TIDE sizes follow what ``comm.install`` allocates (slots through the shared
 :func:`slot_sizes`, staging, RSBuffers).
 

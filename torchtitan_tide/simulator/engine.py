@@ -1,5 +1,5 @@
 """Event engine of the step simulator: ops on FIFO streams with dependencies, and
-compute slowed while SM-taking communication runs beside it.
+ops slowed by what runs beside them.
 
 Pure Python, no torch. An :class:`Op` runs on one stream; each stream runs its ops one
 at a time in the order they were given (CUDA stream semantics; one NCCL communicator
@@ -7,11 +7,19 @@ is one stream, so its all-gathers and reduce-scatters serialize). An op starts w
 stream is free, every op in ``after`` has ended (CUDA event waits) and every op in
 ``issued_with`` has started (the host issues it as that op starts: FSDP2's prefetch).
 
-Interference is a rate: while a ``compute`` op runs beside ops whose ``kind`` is a key
-of its ``slowdown`` (fractions, e.g. ``{"rs": 0.27}``), it progresses at
-``1 / (1 + max fraction)``; the time it loses is SM-ms taken from compute. Other ops
-run at their own duration. :func:`simulate` advances from event to event (an op
-starts or ends) and returns each op's start and end.
+Rates, both directions of interference:
+
+- ``slowdown`` (any op): while ops of a kind in its keys run beside it, the op progresses
+  at ``1 / (1 + max fraction)``: a GEMM beside a reduce-scatter (``{"rs": 0.27}``), and a
+  collective beside GEMMs (``{"compute": 2.2}``: the all-gather took 3.2x as long).
+- ``sm_share`` (ops of kind ``sm``: kernels of the comm library on their own stream, e.g.
+  TIDE-RS's accumulate): while one runs, every op on the compute stream progresses at
+  ``1 - share`` of its rate (share 1: compute pauses). The kernel itself runs at its
+  own (measured, alone) duration, so the SM time is conserved.
+
+The time an op on the compute stream loses is SM-ms taken from compute; the time a
+communication op loses is comm time added by compute. :func:`simulate` advances from
+event to event (an op starts or ends) and returns each op's start and end.
 """
 
 from __future__ import annotations
@@ -20,7 +28,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 COMPUTE = "compute"  # the compute stream's name
-COMM_KINDS = ("ag", "rs", "net")  # op kinds that count as communication
+COMM_KINDS = ("ag", "rs", "net", "net0", "sm")  # op kinds off the compute stream (exposure)
+SM = "sm"  # kind of an SM-holding kernel off the compute stream
 _EPS = 1e-9
 
 
@@ -33,8 +42,9 @@ class Op:
     """One kernel class on one stream.
 
     ``kind``: ``compute`` / ``layout`` / ``optimizer`` / ``host`` (on the compute
-    stream) or a communication kind of :data:`COMM_KINDS`; ``slowdown``: for compute
-    ops, the fraction it slows by beside a running op of each kind."""
+    stream) or a kind of :data:`COMM_KINDS`; ``slowdown``: the fraction it slows by
+    beside a running op of each kind; ``sm_share`` (kind ``sm`` only): the share of the
+    SMs it holds while it runs (0..1)."""
 
     name: str
     stream: str
@@ -44,6 +54,7 @@ class Op:
     issued_with: tuple[str, ...] = ()
     slowdown: Mapping[str, float] = field(default_factory=dict)
     group: str = ""
+    sm_share: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,12 @@ def simulate(ops: Sequence[Op]) -> list[Span]:
             raise SimulationError(f"two ops named {op.name!r}")
         if op.duration_ms < 0:
             raise SimulationError(f"op {op.name!r} has a negative duration {op.duration_ms}")
+        if not 0.0 <= op.sm_share <= 1.0 or (op.sm_share and op.kind != SM):
+            raise SimulationError(
+                f"op {op.name!r}: sm_share {op.sm_share} must be in [0, 1], on kind {SM!r} only"
+            )
+        if op.kind == SM and op.stream == COMPUTE:
+            raise SimulationError(f"op {op.name!r}: kind {SM!r} runs beside compute, not on it")
         by_name[op.name] = op
     for op in ops:
         for dep in (*op.after, *op.issued_with):
@@ -98,8 +115,9 @@ def simulate(ops: Sequence[Op]) -> list[Span]:
             raise SimulationError(f"ops wait on each other (a cycle or bad order): {blocked}")
         running = [by_name[n] for n in remaining]
         kinds = {op.kind for op in running}
-        rates = {op.name: _rate(op, kinds) for op in running}
-        step = min(remaining[n] / rates[n] for n in remaining)
+        held = max((op.sm_share for op in running), default=0.0)
+        rates = {op.name: _rate(op, kinds, held) for op in running}
+        step = min(remaining[n] / rates[n] for n in remaining if rates[n] > 0)
         now += step
         for name in list(remaining):
             remaining[name] -= step * rates[name]
@@ -110,9 +128,13 @@ def simulate(ops: Sequence[Op]) -> list[Span]:
     return [Span(op, started[op.name], ended[op.name]) for op in ops]
 
 
-def _rate(op: Op, running_kinds: set[str]) -> float:
+def _rate(op: Op, running_kinds: set[str], sm_held: float) -> float:
+    """Progress per ms of ``op`` beside ``running_kinds``; ``sm_held``: the largest SM
+    share of a running ``sm`` op (it pauses the compute stream's share). An ``sm`` op
+    always progresses, so some op does."""
     slow = max((op.slowdown.get(k, 0.0) for k in running_kinds if k != op.kind), default=0.0)
-    return 1.0 / (1.0 + max(0.0, slow))
+    rate = 1.0 / (1.0 + max(0.0, slow))
+    return rate * (1.0 - sm_held) if op.stream == COMPUTE else rate
 
 
 def merge(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -156,11 +178,13 @@ def idle_and_comm(spans: Sequence[Span]) -> tuple[list, list]:
 
 def summarize(spans: Sequence[Span]) -> dict[str, float]:
     """Step figures of a simulated step: ``step_ms``; ``exposed_ms`` (the compute stream
-    idle while communication runs), split into ``exposed_first_ms`` (before the first
-    compute op), ``exposed_last_ms`` (after the last compute op before the optimizer)
-    and ``exposed_between_ms``; ``comm_busy_ms``; ``sm_ms_taken`` (compute time lost to
-    interference); and busy ms per compute-stream kind (``compute_ms``, ``layout_ms``,
-    ``optimizer_ms``, ``host_ms``)."""
+    idle while communication or a comm kernel runs), split into ``exposed_first_ms``
+    (before the first compute op), ``exposed_last_ms`` (after the last compute op before
+    the optimizer) and ``exposed_between_ms``; ``comm_busy_ms``; ``sm_ms_taken``
+    (compute-stream time lost to interference and to SM-holding kernels);
+    ``sm_kernel_ms`` (busy ms of the ``sm`` ops); ``comm_slowed_ms`` (time added to
+    communication ops by what ran beside them); and busy ms per compute-stream kind
+    (``compute_ms``, ``layout_ms``, ``optimizer_ms``, ``host_ms``)."""
     step = max((s.end_ms for s in spans), default=0.0)
     on_compute = [s for s in spans if s.op.stream == COMPUTE]
     idle, comm = idle_and_comm(spans)
@@ -176,6 +200,8 @@ def summarize(spans: Sequence[Span]) -> dict[str, float]:
         "exposed_last_ms": intersect_length([(max(a, last), b) for a, b in idle if b > last], comm),
         "comm_busy_ms": sum(b - a for a, b in comm),
         "sm_ms_taken": sum(s.lost_ms for s in on_compute),
+        "sm_kernel_ms": sum(s.op.duration_ms for s in spans if s.op.kind == SM),
+        "comm_slowed_ms": sum(s.lost_ms for s in spans if s.op.stream != COMPUTE),
     }
     out["exposed_between_ms"] = out["exposed_ms"] - out["exposed_first_ms"] - out["exposed_last_ms"]
     for kind in ("compute", "layout", "optimizer", "host"):

@@ -1,0 +1,15 @@
+"""Step simulator: one training step per comm mode at any GPU count and node shape, from
+a one-GPU layer trace and the committed 2x H200 measurements (a SIMULATION, not a
+measurement).
+
+    python -m torchtitan_tide.simulator --config llama70b_tide --gpus 64
+        [--trace T.json] [--cluster train_configs/clusters/h200_8x400g.toml]
+        [--modes fsdp2,symm_mem,tide,tide_ag] [--rs-wire bf16] [--cross-node one_sided]
+    python -m torchtitan_tide.simulator --report [--out-dir bench/results]
+
+Modules, each importing only those before it: ``cluster`` (node shape, NIC, NCCL
+generation), ``engine`` (ops on streams, interference rates), ``inputs`` (every measured
+figure and its source), ``step`` (the step model of each mode), ``report`` (validation,
+the reference configs at 8-64 GPUs, sensitivity, picture), ``cli``.
+docs/2026-12-02-simulator.md explains the model, its inputs and its residuals.
+"""

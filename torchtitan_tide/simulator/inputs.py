@@ -1,0 +1,561 @@
+"""The simulator's inputs: every figure it uses, read from committed measurements under
+``bench/results`` (each with its source, recorded in the output), and the measured steps
+it is validated against.
+
+Inputs (:class:`Inputs`): per-group forward/backward ms, root ms, AdamW and clip ms from
+``bench_trace.py`` (same model, scaled by tokens per GPU and activation checkpointing when
+the config differs; without a trace: FLOPs at ``--mfu``); per-mode collective bandwidths
+from ``bench_collectives`` (2x H200); interference in both directions from
+``bench_interference`` (a GEMM beside a collective, a collective beside GEMMs); the
+TIDE-RS accumulate kernel's rate and SM share from the profiled step (``bench_step``) and
+``bench_accumulate``; layout-copy ms per element from ``bench_step``'s profiled kernels;
+the per-step trainer time outside fwd+bwd from a profiled step breakdown (``bench_step``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torchtitan_tide.comm.memory_plan import GroupShape
+from torchtitan_tide.simulator.cluster import GIB
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "bench" / "results"
+H200_BF16_FLOPS = 989e12  # dense bf16 peak, the FLOPs fallback's denominator
+H200_SMS = 132
+SINGLE_WAVE, LARGE = "single_wave", "large"
+MODES = ("fsdp2", "symm_mem", "tide", "tide_ag")
+
+# The committed measurements the defaults read (bench/results). Keys: the model (the
+# TOML's [model] name); values: the benchmark's own names.
+TRACE_CONFIG = {
+    "llama3_tide": "h200x2_llama70b_4layers",
+    "qwen3_tide": "h200x2_qwen3_30b_a3b_4layers",
+    "wan22": "h200x2_wan22_a14b_20layers",
+}
+COLLECTIVE_LAYER = {"llama3_tide": "llama70b", "qwen3_tide": "qwen3_30b_a3b", "wan22": "wan22_a14b"}
+COLLECTIVES_FILE = "2026-11-30_nvidia-h200-x-2_8a9ccda_collectives.json"
+INTERFERENCE_FILE = "2026-11-30_nvidia-h200-x-2_8a9ccda_interference.json"
+ACCUMULATE_FILE = "2026-11-30_nvidia-h200-x-2_8a9ccda_accumulate.json"
+CROSS_NODE_FILE = "2026-12-03_nvidia-h200-x-1_d533948_cross_node_one_node.json"
+# The profiled TIDE step whose accumulate kernels are the in-situ rate: Llama-3.1-70B
+# width, 4 layers, 2x H200, copy-engine slot barrier (the default): row "tide".
+ACCUMULATE_STEP = ("2026-11-30_nvidia-h200-x-2_c0114dd_step_h200x2_llama70b_4layers.json", "tide")
+# Measured 2x H200 steps: (file, row mode). tide_ag: the earliest "tide" rows ran TIDE-AG
+# with FSDP2's reduce-scatter (TIDE-RS came later).
+MEASURED_STEPS = {
+    "h200x2_llama70b_4layers": {
+        "fsdp2": ("2026-11-30_nvidia-h200-x-2_8a9ccda_step_h200x2_llama70b_4layers.json", "fsdp2"),
+        "symm_mem": ("2026-11-30_nvidia-h200-x-2_8a9ccda_step_h200x2_llama70b_4layers.json", "symm_mem"),
+        "tide": ("2026-11-30_nvidia-h200-x-2_8a9ccda_step_h200x2_llama70b_4layers.json", "tide"),
+        "tide_ag": ("2026-11-30_nvidia-h200-x-2_7334fb3_step_h200x2_llama70b_4layers.json", "tide"),
+    },
+    "h200x2_qwen3_30b_a3b_4layers": {
+        "fsdp2": ("2026-11-30_nvidia-h200-x-2_8a9ccda_step_h200x2_qwen3_30b_a3b_4layers.json", "fsdp2"),
+        "symm_mem": ("2026-11-30_nvidia-h200-x-2_8a9ccda_step_h200x2_qwen3_30b_a3b_4layers.json", "symm_mem"),
+        "tide": ("2026-11-30_nvidia-h200-x-2_8a9ccda_step_h200x2_qwen3_30b_a3b_4layers.json", "tide"),
+        "tide_ag": ("2026-11-30_nvidia-h200-x-2_c64beae_step_h200x2_qwen3_30b_a3b_4layers.json", "tide"),
+    },
+    "h200x2_wan22_a14b_20layers": {
+        "fsdp2": ("2026-11-30_nvidia-h200-x-2_8a9ccda_step_h200x2_wan22_a14b_20layers.json", "fsdp2"),
+        "symm_mem": ("2026-11-30_nvidia-h200-x-2_8a9ccda_step_h200x2_wan22_a14b_20layers.json", "symm_mem"),
+        "tide": ("2026-11-30_nvidia-h200-x-2_8a9ccda_step_h200x2_wan22_a14b_20layers.json", "tide"),
+        "tide_ag": ("2026-11-30_nvidia-h200-x-2_c64beae_step_h200x2_wan22_a14b_20layers.json", "tide"),
+    },
+}  # fmt: skip
+# The one-GPU trainer step recorded before its result files were committed (issue 21:
+# bench_step at world 1 on one H200, commit 8d17df0, profiled step breakdown,
+# log_freq 1). A committed world-1 bench_step result of the config replaces it.
+WORLD1_RECORDED = {
+    "h200x2_llama70b_4layers": {"step_ms": 483.2, "compute_ms": 399.9, "optimizer_ms": 66.4,
+                                "host_ms": 14.9 + 2.0, "step_ms_log_freq_10": 471.8},
+    "h200x2_qwen3_30b_a3b_4layers": {"step_ms": 199.8, "compute_ms": 134.6,
+                                     "optimizer_ms": 35.7, "host_ms": 26.9 + 2.6,
+                                     "step_ms_log_freq_10": 173.7},
+}  # fmt: skip
+WORLD1_RECORDED_SOURCE = (
+    "issue 21: bench_step at world 1 on one H200 (8d17df0), profiled step breakdown "
+    "(docs/2026-12-01-simulator.md)"
+)
+AC_FACTOR = {"none": 0.0, "selective": 0.0, "full": 1.0}  # forwards recomputed in backward
+
+
+class SimulateError(ValueError):
+    """Bad simulator input; the message names the flag, file or key and the fix."""
+
+
+@dataclass(frozen=True)
+class GroupCompute:
+    """Forward / backward ms of one FSDP group on one GPU."""
+
+    fwd_ms: float
+    bwd_ms: float
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Everything but the groups and the cluster; ``sources`` says where each came from.
+
+    ``bandwidth_gibps[mode][phase]``: ``ag`` / ``rs`` (stock: ring bytes ``(W-1) S b``
+    per rank; TIDE: the node-local phase's ``(L-1) N S b``), measured on 2 GPUs of one
+    node. ``interference[mode][ag|rs]``: the fraction a GEMM of this config's shape class
+    slows by beside the collective; ``comm_slowdown[mode][ag|rs]``: the fraction the
+    collective slows by beside those GEMMs. ``accumulate_gibps``: TIDE-RS accumulate
+    kernel bytes (read + write) per second; ``accumulate_sm_share``: the share of the SMs
+    it holds while it runs. ``layout_ns``: per element, ``copy_out`` (unsharded, per
+    all-gather), ``chunk_cat`` (unsharded, per reduce-scatter), ``copy_in`` (shard, per
+    all-gather), per mode. ``host_ms``: per-step trainer time outside fwd+bwd and the
+    optimizer."""
+
+    compute: Mapping[str, GroupCompute]
+    root_fwd_ms: float
+    root_bwd_ms: float
+    optimizer_ms_per_shard_elem: float
+    host_ms: float
+    bandwidth_gibps: Mapping[str, Mapping[str, float]]
+    interference: Mapping[str, Mapping[str, float]]
+    layout_ns: Mapping[str, Mapping[str, float]]
+    shape_class: str
+    comm_slowdown: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    accumulate_gibps: float = 0.0
+    accumulate_sm_share: float = 1.0
+    sources: Mapping[str, str] = field(default_factory=dict)
+
+
+def read_result(results_dir: Path, name: str) -> dict[str, Any]:
+    """A committed benchmark result (JSON) by file name; a named error when missing."""
+    path = results_dir / name
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SimulateError(
+            f"{path}: missing (a committed benchmark result the simulator reads)"
+        ) from None
+
+
+def newest_trace(results_dir: Path, config: str) -> Path | None:
+    """The newest ``*_trace_<config>.json`` (``bench_trace.py``) under ``results_dir``."""
+    return _newest(sorted(results_dir.glob(f"*_trace_{config}.json")))
+
+
+def _newest(found: Sequence[Path]) -> Path | None:
+    dated = [
+        (json.loads(p.read_text()).get("metadata", {}).get("date", ""), p.name, p) for p in found
+    ]
+    return max(dated)[2] if dated else None
+
+
+def collective_bandwidths(results_dir: Path, layer: str) -> tuple[dict[str, dict[str, float]], str]:
+    """Per mode: ``ag`` / ``rs`` GiB/s of the simulator's own byte counts at W = 2
+    (``S b`` per rank for every phase: AG in bf16; stock RS in fp32; TIDE-RS reads bf16),
+    from ``bench_collectives``' measured ms of one ``layer`` group."""
+    data = read_result(results_dir, COLLECTIVES_FILE)
+    rows = [r for r in data["tables"][0]["rows"] if r["layer"] == layer and not r.get("error")]
+    if not rows:
+        raise SimulateError(f"{COLLECTIVES_FILE}: no rows of layer {layer!r}")
+    out = {}
+    for row in rows:
+        # bench_collectives' GiB/s: unsharded bytes (bf16 AG, fp32 RS) * (W-1)/W / ms, W = 2
+        # = S * b / ms with its b; TIDE-RS moves bf16 rows, half the fp32 bytes, and its
+        # accumulate kernel time (profiled rs_sm_ms) is an op of its own in the model.
+        rs = row["rs_GiBps"]
+        if row["mode"] == "tide":
+            rs = 0.5 * rs * row["rs_ms"] / (row["rs_ms"] - row["rs_sm_ms"])
+        out[row["mode"]] = {"ag": row["ag_GiBps"], "rs": rs}
+    return out, (
+        f"{COLLECTIVES_FILE}, layer {layer}: AG/RS GiB/s per mode (2x H200, W = 2; TIDE-RS: "
+        "its copies, the RS ms minus the profiled accumulate kernel ms)"
+    )
+
+
+def interference(results_dir: Path, shape_class: str) -> tuple[dict, dict, str]:
+    """(GEMM slowdown beside each mode's ``ag`` / ``rs``, the collective's slowdown beside
+    GEMMs of ``shape_class``, source). Both are fractions (``beside / alone - 1``);
+    negative readings (noise) count as 0. tide_ag: tide's AG, fsdp2's RS.
+
+    TIDE-RS's measured GEMM slowdown includes its accumulate kernels, which the step model
+    charges as SM-holding ops of their own: the reduce-scatter's share is the measured
+    fraction minus the accumulate's share of the reduce-scatter's time (its kernel ms in
+    the same layer's ``bench_collectives`` profile over the collective's ms alone), at
+    least 0."""
+    data = read_result(results_dir, INTERFERENCE_FILE)
+    gemm: dict[str, dict[str, float]] = {}
+    comm: dict[str, dict[str, float]] = {}
+    alone: dict[tuple[str, str], float] = {}
+    for row in data["tables"][0]["rows"]:
+        if row.get("error") or not str(row["gemm"]).startswith(shape_class):
+            continue
+        mode, op = row["mode"], row["op"]
+        gemm.setdefault(mode, {})[op] = max(0.0, row["slowdown_pct"] / 100)
+        comm.setdefault(mode, {})[op] = max(0.0, row["coll_beside_ms"] / row["coll_alone_ms"] - 1)
+        alone[(mode, op)] = row["coll_alone_ms"]
+    layer = data["config"]["layer"]
+    coll = read_result(results_dir, COLLECTIVES_FILE)["tables"][0]["rows"]
+    tide_rs = next(r for r in coll if r["layer"] == layer and r["mode"] == "tide")
+    acc_share = tide_rs["rs_sm_ms"] / alone[("tide", "rs")]
+    measured_tide_rs = gemm["tide"]["rs"]
+    gemm["tide"]["rs"] = max(0.0, measured_tide_rs - acc_share)
+    for table in (gemm, comm):
+        table["tide_ag"] = {"ag": table["tide"]["ag"], "rs": table["fsdp2"]["rs"]}
+    text = (
+        f"{INTERFERENCE_FILE}, GEMM {shape_class}: GEMM slowdown beside AG/RS and AG/RS "
+        f"slowdown beside the GEMMs (collective ms beside / alone) per mode (tide_ag: tide AG, "
+        f"fsdp2 RS); TIDE-RS's GEMM slowdown {measured_tide_rs:.3f} minus its accumulate "
+        f"kernel's share {acc_share:.3f} ({COLLECTIVES_FILE}: {tide_rs['rs_sm_ms']:.3f} SM-ms "
+        f"per {layer} RS), charged as accumulate ops"
+    )
+    return gemm, comm, text
+
+
+@functools.lru_cache(maxsize=8)
+def accumulate_rate(results_dir: Path) -> tuple[float, float, str]:
+    """(GiB/s read + written, SM share, source) of TIDE-RS's accumulate kernels in the
+    profiled 2-GPU Llama step (``ACCUMULATE_STEP``: kernel ms per step over the bytes
+    that step's phase 1 moves, ``8 S`` per group: 2 bf16 rows in, fp32 out); SM share =
+    SM-weighted ms / ms of the same profile. ``bench_accumulate``'s default kernel alone
+    is quoted beside it."""
+    from torchtitan_tide.comm.memory_plan import group_shard_numel
+
+    name, row_mode = ACCUMULATE_STEP
+    row = next(r for r in read_result(results_dir, name)["rows"] if r["mode"] == row_mode)
+    config = name.split("_step_")[1].removesuffix(".json")
+    shard = sum(group_shard_numel(g, 2) for g in measured_groups(config))
+    gib = 8 * shard / GIB
+    rate = gib / (row["rs_kernel_ms"] / 1e3)
+    share = row["rs_kernel_sm_weighted_ms"] / row["rs_kernel_ms"]
+    bench = read_result(results_dir, ACCUMULATE_FILE)["tables"][0]["rows"]
+    default = next(r for r in bench if "(default)" in r["variant"])
+    text = (
+        f"{name} ({row_mode!r} row): {row['rs_kernel_ms']:.2f} accumulate kernel ms per step "
+        f"for {gib:.2f} GiB read + written = {rate:.0f} GiB/s, SM share "
+        f"{row['rs_kernel_sm_weighted_ms']:.2f} / {row['rs_kernel_ms']:.2f} = {share:.2f} "
+        f"(alone, {ACCUMULATE_FILE} {default['variant']}: {default['gib_s']:.0f} GiB/s)"
+    )
+    return rate, share, text
+
+
+@functools.lru_cache(maxsize=8)
+def measured_groups(config: str) -> tuple[GroupShape, ...]:
+    """The FSDP groups of a measured config (the planner's model of it)."""
+    from torchtitan_tide.plan import load_config_model
+
+    return tuple(load_config_model(config).groups)
+
+
+def layout_costs(results_dir: Path, trace_config: str) -> tuple[dict, str]:
+    """ns per element of each layout kernel (profiled fsdp2 / symm_mem steps of
+    ``trace_config`` on 2 GPUs, over that config's own groups): copy-out and chunk_cat
+    per unsharded element and gather / reduce, copy-in per shard element and gather."""
+    steps = MEASURED_STEPS.get(trace_config)
+    if not steps:
+        return {}, "no profiled step of this model: layout copies 0"
+    groups = measured_groups(trace_config)
+    numel = sum(g.numel for g in groups)
+    gathers = sum(2 if g.reshard_after_forward else 1 for g in groups)
+    gathered = sum(g.numel * (2 if g.reshard_after_forward else 1) for g in groups)
+    out = {}
+    for mode in ("fsdp2", "symm_mem"):
+        name, row_mode = steps[mode]
+        row = next(r for r in read_result(results_dir, name)["rows"] if r["mode"] == row_mode)
+        out[mode] = {
+            "copy_out": 1e6 * row["split_with_sizes_copy"] / gathered,
+            "chunk_cat": 1e6 * row["chunk_cat"] / numel,
+            "copy_in": 1e6 * row["all_gather_copy_in"] / (gathered / 2),
+        }
+    out["tide_ag"] = {"copy_out": 0.0, "chunk_cat": out["fsdp2"]["chunk_cat"], "copy_in": 0.0}
+    out["tide"] = {"copy_out": 0.0, "chunk_cat": 0.0, "copy_in": 0.0}
+    file = steps["fsdp2"][0]
+    return out, (f"{file}: profiled chunk_cat / split_with_sizes_copy / all_gather_copy_in ms "
+                 f"per element of {trace_config} ({gathers} gathers per step; tide_ag: chunk_cat "
+                 "only; tide: none)")  # fmt: skip
+
+
+def tokens_per_gpu(table: Mapping[str, Any], model_args: Any) -> int:
+    """``local_batch_size`` x tokens per sample: ``seq_len``, or for Wan2.2 the patchified
+    latent (``[wan22] latent_frames x latent_height x latent_width / patch_size``)."""
+    training = table.get("training", {})
+    batch = int(training.get("local_batch_size", 8))
+    if hasattr(model_args, "patch_size"):
+        from models.wan22.job_config import Wan22DataConfig
+
+        data = {**vars(Wan22DataConfig()), **table.get("wan22", {})}
+        latent = (data["latent_frames"], data["latent_height"], data["latent_width"])
+        return batch * math.prod(n // p for n, p in zip(latent, model_args.patch_size))
+    return batch * int(training.get("seq_len", 2048))
+
+
+def shape_class_of(model_args: Any, tokens: int) -> tuple[str, str]:
+    """``single_wave`` when the feed-forward GEMM's output tiles (128 x 128) fit in one
+    wave of the H200's SMs (MoE: tokens x top_k / experts rows per expert), else
+    ``large``; and the sentence saying why."""
+    moe = getattr(model_args, "moe_args", None)
+    rows = tokens * moe.top_k / moe.num_experts if moe is not None else tokens
+    dim = int(getattr(model_args, "dim", 0))
+    tiles = math.ceil(rows / 128) * math.ceil(dim / 128)
+    cls = SINGLE_WAVE if tiles <= H200_SMS else LARGE
+    return cls, f"FFN GEMM {int(rows)} rows x dim {dim}: {tiles} tiles vs {H200_SMS} SMs -> {cls}"
+
+
+def compute_from_trace(
+    trace: Mapping[str, Any], groups: Sequence[GroupShape], scale: float, recompute: bool
+) -> tuple[dict[str, GroupCompute], float, float]:
+    """Per group ms from a trace: the same group name, else (a block the trace does not
+    have) the median of the trace's ``layers.*``; times ``scale``; with ``recompute``
+    (full activation checkpointing in the target, none in the trace) backward + forward."""
+    by_name = {g["group"]: g for g in trace["groups"]}
+    layers = [g for n, g in by_name.items() if n.startswith("layers.")]
+    median_layer = {k: statistics.median(g[k] for g in layers) for k in ("fwd_ms", "bwd_ms")}
+    out = {}
+    for group in groups:
+        if group.name == "root":
+            continue
+        src = by_name.get(group.name) or (
+            median_layer if group.name.startswith("layers.") else None
+        )
+        if src is None:
+            raise SimulateError(f"the trace has no group {group.name!r} (it has {sorted(by_name)})")
+        fwd, bwd = scale * src["fwd_ms"], scale * src["bwd_ms"]
+        out[group.name] = GroupCompute(fwd, bwd + (fwd if recompute else 0.0))
+    return out, scale * trace["root_fwd_ms"], scale * trace["root_bwd_ms"]
+
+
+def compute_from_flops(
+    cm: Any, tokens: int, mfu: float, recompute: bool
+) -> dict[str, GroupCompute]:
+    """Without a trace: 2 x active params x tokens per forward, 4 x per backward, at
+    ``mfu`` of the H200's dense bf16 peak."""
+    out = {}
+    share = cm.active_numel / max(1, cm.total_numel)
+    for group in cm.groups:
+        if group.name == "root":
+            continue
+        fwd = 1e3 * 2 * group.numel * share * tokens / (H200_BF16_FLOPS * mfu)
+        out[group.name] = GroupCompute(fwd, 2 * fwd + (fwd if recompute else 0.0))
+    return out
+
+
+def trace_mismatch(trace: Mapping[str, Any], groups: Sequence[GroupShape]) -> str:
+    """Why ``trace`` cannot stand for ``groups`` ('' when it can): its blocks must have
+    the parameter count of the config's blocks (same layer shapes)."""
+    traced = {g["params"] for g in trace["groups"] if g["group"].startswith("layers.")}
+    wanted = {g.numel for g in groups if g.name.startswith("layers.")}
+    if traced and wanted and traced != wanted:
+        return f"its blocks have {sorted(traced)} params, this config's {sorted(wanted)}"
+    return ""
+
+
+def _any_trace(results_dir: Path) -> Path:
+    for config in TRACE_CONFIG.values():
+        if path := newest_trace(results_dir, config):
+            return path
+    raise SimulateError(f"no *_trace_*.json under {results_dir}: run scripts/bench/bench_trace.py")
+
+
+def cross_node_transports(results_dir: Path) -> str:
+    """What bench_cross_node measured of TIDE's cross-node transports (two emulated nodes
+    on one H200): NCCL kernels, SM-ms and wire bytes per step, for the source line of
+    the one-sided option (0 kernels, the same bytes as send/recv)."""
+    path = results_dir / CROSS_NODE_FILE
+    if not path.exists():
+        return f"{CROSS_NODE_FILE}: missing; one-sided modeled as 0 SMs and send/recv's bytes"
+    rows = {r["variant"]: r for r in json.loads(path.read_text())["tables"][0]["rows"]}
+    text = "; ".join(
+        f"{name}: {r['nccl_kernels']} NCCL kernels, {r['nccl_sm_ms']:.1f} SM-ms, "
+        f"{r['wire_mib']:.0f} MiB per rank and step"
+        for name, r in rows.items()
+        if r.get("mode") == "tide"
+    )
+    return f"{CROSS_NODE_FILE} (bench_cross_node, 2 emulated nodes on one H200): {text}"
+
+
+def breakdown_step_file(results_dir: Path, config: str, world: int) -> Path | None:
+    """The newest committed ``bench_step`` result of ``config`` run at ``world`` ranks
+    with a profiled step breakdown (``bd_*`` columns of its ``fsdp2`` row), if any."""
+    found = []
+    for path in results_dir.glob(f"*_step_{config}.json"):
+        data = json.loads(path.read_text())
+        row = next((r for r in data.get("rows", []) if r.get("mode") == "fsdp2"), {})
+        if data.get("metadata", {}).get("world_size") == world and row.get("bd_step_ms"):
+            found.append((data["metadata"].get("date", ""), path.name, path))
+    return max(found)[2] if found else None
+
+
+def _breakdown(path: Path) -> dict[str, float]:
+    row = next(r for r in json.loads(path.read_text())["rows"] if r["mode"] == "fsdp2")
+    return {
+        "step_ms": row["best_step_ms"],
+        "compute_ms": row["bd_compute_ms"],
+        "optimizer_ms": row["bd_optimizer_ms"],
+        "host_ms": row["bd_host_bound_ms"] + row["bd_other_idle_ms"],
+    }
+
+
+def world1_step(results_dir: Path, config: str) -> tuple[dict[str, float] | None, str]:
+    """The one-GPU trainer step of ``config``: ``step_ms`` (best), ``compute_ms``,
+    ``optimizer_ms``, ``host_ms`` (host-bound + other idle of the profiled step), and
+    ``step_ms_log_freq_10`` where recorded; from a committed world-1 ``bench_step``
+    result, else the recorded issue-21 figures; (None, why) when neither exists."""
+    if path := breakdown_step_file(results_dir, config, 1):
+        return _breakdown(path), f"{path.name} (world 1, fsdp2 row, profiled step breakdown)"
+    if config in WORLD1_RECORDED:
+        return dict(WORLD1_RECORDED[config]), WORLD1_RECORDED_SOURCE
+    return None, (
+        f"no one-GPU trainer breakdown of {config}: scripts/gpu/check.sh stage world1 "
+        "(docs/2026-12-02-simulator.md)"
+    )
+
+
+def host_ms(
+    table: Mapping[str, Any], trace_config: str, results_dir: Path = RESULTS
+) -> tuple[float, str]:
+    """Per-step trainer time outside fwd+bwd and the optimizer: host-bound + other idle
+    of the one-GPU trainer step (:func:`world1_step`), else of the profiled 2-GPU fsdp2
+    step of the same config; a config logging every N > 1 steps saves the per-step loss
+    read where it was measured (the one-GPU step at log_freq 1 minus at log_freq 10). 0
+    where no breakdown exists (said in the source)."""
+    measured, source = world1_step(results_dir, trace_config) if trace_config else (None, "")
+    if not measured and trace_config and (two := breakdown_step_file(results_dir, trace_config, 2)):
+        measured, source = (
+            _breakdown(two),
+            f"{two.name} (world 2, fsdp2 row, profiled step breakdown)",
+        )
+    if not measured:
+        return 0.0, f"not measured: 0 ({source or 'no one-GPU breakdown of this model'})"
+    freq = int(table.get("metrics", {}).get("log_freq", 10))
+    text = f"{source}: host-bound + other idle of {trace_config}"
+    if freq <= 1 or "step_ms_log_freq_10" not in measured:
+        return measured["host_ms"], text
+    logging = measured["step_ms"] - measured["step_ms_log_freq_10"]
+    host = max(0.0, measured["host_ms"] - logging)
+    return host, f"{text}, minus the per-step loss read ({logging:.1f} ms; log_freq {freq})"
+
+
+def measured_step(results_dir: Path, config: str, mode: str) -> tuple[float | None, str]:
+    """Best step ms of ``mode`` in the committed 2x H200 bench_step result, and its file."""
+    name, row_mode = MEASURED_STEPS[config][mode]
+    row = next((r for r in read_result(results_dir, name)["rows"] if r["mode"] == row_mode), {})
+    return row.get("best_step_ms"), f"{name} ({row_mode!r} row)"
+
+
+def newest_world1_trace(results_dir: Path, config: str) -> Path | None:
+    """The newest ``*_trace_world1_<config>.json``: ``bench_trace.py --precision world1``
+    (what the one-GPU trainer runs: fp32 weights under bf16 autocast)."""
+    return _newest(sorted(results_dir.glob(f"*_trace_world1_{config}.json")))
+
+
+def autocast_casts(
+    compute: Mapping[str, GroupCompute],
+    groups: Sequence[GroupShape],
+    ac: str,
+    results_dir: Path,
+    trace_config: str,
+) -> tuple[dict[str, GroupCompute], str]:
+    """What fp32 weights under autocast add to a bf16-parameter trace (the one-GPU
+    trainer without a world-1 trace): per group, one fp32 -> bf16 cast of its weights per
+    forward (autocast caches it for the forward), one more per recompute under full
+    activation checkpointing, and the bf16 -> fp32 cast of its gradients in backward, each
+    at bench_floor's measured cast ms per element (fp32 read, bf16 write)."""
+    floor = _newest(sorted(results_dir.glob(f"*_floor_{trace_config}.json")))
+    if floor is None:
+        return dict(compute), f"no *_floor_{trace_config}.json: casts not charged"
+    data = json.loads(floor.read_text())
+    per_elem = data["cast_ms"] / data["work"]["shard_params"]
+    out = {}
+    for g in groups:
+        if g.name not in compute:
+            continue
+        cast = per_elem * g.numel
+        c = compute[g.name]
+        out[g.name] = GroupCompute(c.fwd_ms + cast, c.bwd_ms + cast * (1 + AC_FACTOR.get(ac, 0.0)))
+    return out, (
+        f"{floor.name}: cast {1e9 * per_elem:.2f} ps per element, once per weight in forward "
+        "(+ once per recompute) and once per gradient in backward"
+    )
+
+
+def build_inputs(
+    cm: Any,
+    results_dir: Path,
+    trace_path: str | Path | None,
+    mfu: float,
+    world1: bool = False,
+) -> Inputs:
+    """The inputs of ``cm`` (a ``plan.ConfigModel``) from the committed results.
+    ``world1``: what the one-GPU trainer runs (no FSDP: fp32 weights under autocast):
+    the world-1 trace when one exists (else the bf16-parameter trace, said in
+    ``sources["compute"]``) and the full model's optimizer."""
+    model = cm.spec_name
+    trace_config = TRACE_CONFIG.get(model)
+    tokens = tokens_per_gpu(cm.table, cm.model_args)
+    ac = cm.table.get("activation_checkpoint", {}).get("mode", "selective")
+    sources: dict[str, str] = {}
+    path = Path(trace_path) if trace_path else None
+    if path is None and trace_config:
+        w1 = newest_world1_trace(results_dir, trace_config) if world1 else None
+        if world1 and w1 is None:
+            sources["world1_trace"] = (
+                f"missing: no *_trace_world1_{trace_config}.json (bench_trace.py --precision "
+                "world1); this row uses the bf16-parameter trace plus autocast's casts"
+            )
+        path = w1 or newest_trace(results_dir, trace_config)
+    trace = json.loads(Path(path).read_text()) if path is not None else None
+    if trace is not None and (why_not := trace_mismatch(trace, cm.groups)):
+        sources["trace_not_used"] = f"{Path(path).name}: {why_not}"
+        trace = None
+    if trace is not None:
+        from torchtitan_tide.config import load_toml
+        from torchtitan_tide.launch import resolve_config
+
+        traced = load_toml(str(resolve_config(trace["config"])))
+        traced_tokens = tokens_per_gpu(traced, cm.model_args)
+        traced_ac = traced.get("activation_checkpoint", {}).get("mode", "selective")
+        scale = tokens / traced_tokens
+        recompute = AC_FACTOR.get(ac, 0.0) > AC_FACTOR.get(traced_ac, 0.0)
+        compute, root_fwd, root_bwd = compute_from_trace(trace, cm.groups, scale, recompute)
+        sources["compute"] = (
+            f"trace {Path(path).name} (bench_trace, {trace['metadata']['machine']}), "
+            f"x {scale:.3f} tokens per GPU"
+            + (", + forward recompute (full AC)" if recompute else "")
+        )
+    else:
+        recompute = AC_FACTOR.get(ac, 0.0) > 0
+        compute, root_fwd, root_bwd = compute_from_flops(cm, tokens, mfu, recompute), 0.0, 0.0
+        sources["compute"] = (
+            f"FLOPs (2/4 x active params x tokens) at MFU {mfu} of {H200_BF16_FLOPS:.3g}"
+        )
+    if "world1_trace" in sources and trace is not None:
+        compute, sources["autocast"] = autocast_casts(compute, cm.groups, ac, results_dir,
+                                                      trace_config or "")  # fmt: skip
+    opt_path = Path(path) if trace is not None else _any_trace(results_dir)
+    opt_trace = trace or json.loads(opt_path.read_text())
+    opt = (opt_trace["adamw_ms"] + opt_trace["clip_ms"]) / opt_trace["work"]["shard_params"]
+    sources["optimizer"] = f"trace {opt_path.name}: AdamW + clip ms per shard element"
+    host, sources["host"] = host_ms(cm.table, trace_config or "", results_dir)
+    layer = COLLECTIVE_LAYER.get(model, "llama70b")
+    bandwidth, sources["bandwidth"] = collective_bandwidths(results_dir, layer)
+    cls, why = shape_class_of(cm.model_args, tokens)
+    gemm, comm, sources["interference"] = interference(results_dir, cls)
+    sources["shape_class"] = why
+    acc_gibps, acc_share, sources["accumulate"] = accumulate_rate(results_dir)
+    sources["cross_node"] = cross_node_transports(results_dir)
+    layout, sources["layout"] = layout_costs(results_dir, trace_config or "")
+    return Inputs(
+        compute, root_fwd, root_bwd, opt, host, bandwidth, gemm, layout, cls,
+        comm, acc_gibps, acc_share, sources,
+    )  # fmt: skip
+
+
+def inputs_record(inputs: Inputs) -> dict[str, Any]:
+    """``inputs`` as plain JSON data (the result files' ``inputs``)."""
+    from dataclasses import asdict
+
+    data = asdict(inputs)
+    data["compute"] = {k: asdict(v) for k, v in inputs.compute.items()}
+    return data
