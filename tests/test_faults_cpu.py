@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from train_helpers import REPO, SMALL_RUN, losses, read_metrics, train
+from train_helpers import REPO, SMALL_RUN, alive, descendants, losses, read_metrics, train
 
 pytestmark = pytest.mark.slow
 
@@ -49,25 +49,8 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def _worker(root: int, rank: int) -> int | None:
-    for pid in _descendants(root):
+    for pid in descendants(root):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
@@ -108,21 +91,13 @@ def _run_until_fault(folder: Path, mode: list[str], sig: int) -> tuple[int, floa
             sent = time.monotonic()
             rc = proc.wait(timeout=TIMEOUT_S + 90)
             exited = time.monotonic() - sent
-            while any(_alive(p) for p in (victim,)) and time.monotonic() - sent < TIMEOUT_S + 90:
+            while any(alive(p) for p in (victim,)) and time.monotonic() - sent < TIMEOUT_S + 90:
                 time.sleep(0.2)  # torchrun reaps the workers before it exits; be sure
-            exited = max(exited, time.monotonic() - sent) if _alive(victim) else exited
+            exited = max(exited, time.monotonic() - sent) if alive(victim) else exited
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
     return rc, exited, log.read_text()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 CASES = [

@@ -8,7 +8,13 @@
 #   STAGES=world1 bash scripts/gpu/check.sh             # the simulator's world-1 inputs (one GPU)
 # Stages (default: all, in this order) and their rough time on 2x H200:
 #   tests         GPU-marked pytest tests (incl. every benchmark at a small size)  ~2-3 min
-#                 (1 GPU: the 2-GPU tests skip; the rest ~1.5 min)
+#                 (1 GPU: the 2-GPU tests skip; the rest ~1.5 min); not the emulation ones
+#   emulation     multi-node paths on GPU 0 (docs/2026-12-02-emulation.md)          < 5 min
+#                 1. `-m "gpu and emulation and not one_node"` on the bundled NCCL: emulated
+#                    nodes (NCCL_HOSTID) parity vs FSDP2, training losses, stopped node
+#                 2. `-m "gpu and emulation and one_node"` (ranks of ONE NCCL node sharing the
+#                    GPU, the one-sided transport) with .nccl/'s NCCL (>= 2.30) swapped in for
+#                    them (scripts/gpu/nccl_swap.sh; restored after); skipped without .nccl/
 #   floor         bench_floor per config in FLOOR_CONFIGS, on GPU 0 only (1 GPU is enough):
 #                 the compute floor the step rows' gap_to_floor_pct refers to
 #                 ~40 s llama, ~30 s qwen3, ~2 min wan22 (7.5 s per fwd+bwd)
@@ -32,7 +38,8 @@
 # WORLD1_TRACE_CONFIGS, WORLD1_STEP_CONFIGS, WORLD1_ITERS (3), WORLD1_STEPS (8), WORLD1_WARMUP (4).
 # Results (JSON/MD/PNG) land in bench/results/; $OUT gets results.tgz (this run's result
 # files), the report (.md/.png), summary.md and logs.tgz (every log), i.e. few files.
-# Needs the wheels from scripts/gpu/fetch_wheels.sh in .whl/ (carry ".whl").
+# Needs the wheels from scripts/gpu/fetch_wheels.sh in .whl/ (carry ".whl"); the emulation
+# stage's one-node half needs NCCL >= 2.30 in .nccl/ (carry ".nccl").
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
@@ -41,7 +48,7 @@ cd "$REPO"
 OUT="${OUT:-/tmp/tide_check}"
 LOGS=/tmp/tide_logs
 mkdir -p "$OUT" "$LOGS" bench/results
-STAGES="${STAGES:-tests floor trace train step bench accumulate collectives interference report}"
+STAGES="${STAGES:-tests emulation floor trace train step bench accumulate collectives interference report}"
 FLOOR_CONFIGS="${FLOOR_CONFIGS:-h200x2_llama70b_4layers h200x2_qwen3_30b_a3b_4layers h200x2_wan22_a14b_20layers}"
 MODES="${MODES:-fsdp2,symm_mem,tide}"
 MARK="$LOGS/.start"
@@ -71,8 +78,29 @@ run() {
 }
 
 if has tests; then
-  run gpu_tests 600 python3 -m pytest -q -m gpu tests -p no:cacheprovider
+  run gpu_tests 600 python3 -m pytest -q -m "gpu and not emulation" tests -p no:cacheprovider
   note "  $(tail -1 "$LOGS/gpu_tests.log")"
+fi
+
+if has emulation; then
+  # NCCL's own version line and what the loaded library reports, on one line.
+  nccl_line() { grep -E 'NCCL version|^NCCL [0-9.]+ in use' "$1" | tail -2 | paste -sd '|' -; }
+  run nccl_bundled 60 python3 scripts/gpu/nccl_version.py
+  note "  $(nccl_line "$LOGS/nccl_bundled.log")"
+  run emulation_nodes 300 python3 -m pytest -q -m "gpu and emulation and not one_node" tests \
+    -p no:cacheprovider
+  note "  $(tail -1 "$LOGS/emulation_nodes.log")"
+  if [[ -d .nccl ]]; then
+    # The newer NCCL only for this sub-stage: torch 2.11's symm_mem mode needs the bundled one.
+    run emulation_one_node 240 bash scripts/gpu/nccl_swap.sh .nccl -- bash -c \
+      'python3 scripts/gpu/nccl_version.py && python3 -m pytest -q -m "gpu and emulation and one_node" tests -p no:cacheprovider'
+    note "  $(nccl_line "$LOGS/emulation_one_node.log")"
+    note "  $(grep -E '(passed|failed|skipped|error)' "$LOGS/emulation_one_node.log" | tail -1)"
+    run nccl_restored 60 python3 scripts/gpu/nccl_version.py
+    note "  $(nccl_line "$LOGS/nccl_restored.log")"
+  else
+    note "emulation_one_node: skipped (no .nccl/ with NCCL >= 2.30: carry it, docs/2026-12-02-emulation.md)"
+  fi
 fi
 
 if has floor; then

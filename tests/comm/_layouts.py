@@ -12,13 +12,18 @@ layouts go through TorchTitan's ``pipeline_llm`` (several model parts per rank).
 Then, for ``layout.steps`` steps on fresh random tokens (the same on both copies,
 different per data-parallel rank): forward + backward on every copy, each parameter's
 LOCAL gradient shard compared (bitwise, or ``layout.tolerance`` relative), the
-losses compared, plain SGD on all (AdamW would normalize a wrong gradient scale
-away). TIDE-AG outputs are NaN-poisoned before every all-gather and checked after;
+unsharded parameters after every all-gather compared in the order FSDP waited for them
+(``FSDPParamGroup.wait_for_unshard``, forward and backward), the losses compared, plain
+SGD on all (AdamW would normalize a wrong gradient scale away). TIDE-AG outputs are
+NaN-poisoned before every all-gather and checked after;
 TIDE-RS outputs and partials are NaN-poisoned before they are written. Finally
 every FSDP group is checked against what it should have run: TIDE-AG / TIDE-RS
 calls counted per group (wrappers around ``fsdp_patch.tide_all_gather`` /
 ``reduce_scatter.tide_reduce``) on the process group of the expected mesh dimension as the expected
 nodes x ranks, or the FSDP2 path with the expected log line.
+
+``run_layout(..., device=torch.device("cuda", 0))`` runs the same on CUDA (NCCL): the
+emulated nodes of ``_emulation.py`` (every rank on GPU 0) use it.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from torchtitan.models.qwen3 import qwen3_args
 from torchtitan.models.qwen3.infra.parallelize import parallelize_qwen3
 from torchtitan.models.qwen3.model.model import Qwen3Model
 
+from torchtitan_tide import comm as tide_comm
 from torchtitan_tide.comm import all_gather as tide_ag
 from torchtitan_tide.comm import fsdp_patch
 from torchtitan_tide.comm import reduce_scatter as tide_rs
@@ -83,7 +89,16 @@ class Layout:
     accumulation over that many microbatches of a step; ``accumulate``: ``"no_sync"``
     (``set_requires_gradient_sync(False)`` before all but the last: no reduce) or
     ``"no_all_reduce"`` (``set_requires_all_reduce(False)``: HSDP reduce-scatters every
-    microbatch and all-reduces the accumulated shard at the last).
+    microbatch and all-reduces the accumulated shard at the last). ``ranks_per_node``:
+    ranks per node of the launch, what ``local_world_size`` 0 must detect (0: every rank
+    of the group on one node, as on this machine; 1: one rank per node, the emulated nodes
+    of ``_emulation.py``). ``expect_transport``: the class name of the TIDE-AG transport
+    every TIDE group must use ("" = not checked). ``resync_params``: after each step, copy
+    the stock copy's parameters into every TIDE copy, so that each step's gradients are
+    compared from equal parameters and the unsharded parameters bitwise (with a tolerance,
+    bf16 casts of fp32 parameters one ulp apart can round a bf16 ulp apart and let the
+    copies drift past it). ``tide``: more ``[tide]`` keys of every TIDE copy (e.g. a
+    transport option), beside ``comm`` and ``local_world_size``.
     """
 
     model: str = "llama3"
@@ -107,6 +122,10 @@ class Layout:
     fsdp2_groups: dict = field(default_factory=dict)
     tolerance: float = 0.0
     steps: int = 3
+    ranks_per_node: int = 0
+    expect_transport: str = ""
+    resync_params: bool = False
+    tide: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- model and config
@@ -290,6 +309,7 @@ class TideRecord:
     # id(FSDPParam) -> (process group, WorldLayout) of its last TIDE-AG / TIDE-RS call
     ag_seen: dict = field(default_factory=dict)
     rs_seen: dict = field(default_factory=dict)
+    ag_transport: dict = field(default_factory=dict)  # id(FSDPParam) -> transport class name
     logs: list = field(default_factory=list)
 
 
@@ -315,6 +335,7 @@ def watch_tide() -> Iterator[TideRecord]:
         for fp in fsdp_params:
             rec.ag[id(fp)] += 1
             rec.ag_seen[id(fp)] = (group, state.plan.layout)
+            rec.ag_transport[id(fp)] = type(state.transport).__name__
         return orig_ag(state, fsdp_params, group, *args, **kwargs)
 
     def counted_rs(state, fsdp_params, *args, **kwargs):
@@ -361,8 +382,9 @@ def check_tide_ran(
     """Every FSDP group of the TIDE model ran what it should: TIDE-AG and TIDE-RS on
     its own all-gather group, whose ranks are those of the ``fsdp`` mesh dimension
     (``efsdp`` for routed experts under EP), as ``group size / lws`` nodes of ``lws``
-    ranks (``lws`` 0: one node, every rank runs on this machine); groups named in
-    ``layout.fsdp2_groups`` took FSDP2's path with their logged reason."""
+    ranks (``lws`` 0: detected, ``layout.ranks_per_node`` ranks per node, or one node
+    when that is 0), TIDE-AG on ``layout.expect_transport`` where it is set; groups
+    named in ``layout.fsdp2_groups`` took FSDP2's path with their logged reason."""
     meshes = {name: dims.get_optional_mesh(name) for name in ("fsdp", "efsdp")}
     ranks = {name: _ranks(m.get_group()) if m is not None else None for name, m in meshes.items()}
     log = "\n".join(rec.logs)
@@ -388,7 +410,13 @@ def check_tide_ran(
             assert _ranks(group) == expected, f"{where}: FSDP group {_ranks(group)} != {expected}"
             assert ag_calls > 0, f"{where}: TIDE-AG never ran; log:\n{log}"
             assert rs_calls > 0, f"{where}: TIDE-RS never ran; log:\n{log}"
-            nodes = (group.size() // lws, lws) if lws else (1, group.size())
+            per_node = lws or layout.ranks_per_node or group.size()
+            nodes = (group.size() // per_node, per_node)
+            if layout.expect_transport:
+                used = rec.ag_transport[id(first)]
+                assert used == layout.expect_transport, (
+                    f"{where}: TIDE-AG ran on {used}, not {layout.expect_transport}"
+                )
             for which, (used, world) in (("AG", rec.ag_seen[id(first)]),
                                          ("RS", rec.rs_seen[id(first)])):  # fmt: skip
                 assert used is group, f"{where}: TIDE-{which} ran on another process group"
@@ -426,6 +454,48 @@ def _same(a: torch.Tensor, b: torch.Tensor, tolerance: float, what: str) -> None
         torch.testing.assert_close(b, a, rtol=tolerance, atol=tolerance, msg=what)
 
 
+class UnshardedLog:
+    """The unsharded parameters of one model after every all-gather, in the order FSDP
+    waited for them: each FSDP group's ``wait_for_unshard`` (forward and backward, TIDE's
+    all-gathers and FSDP2's alike) is wrapped to append ``(name, clone)`` for each of its
+    parameters when an all-gather was pending (FSDP2 internals: ``_all_gather_result``,
+    ``FSDPParam.unsharded_param``; the clone runs on the stream FSDP just made wait)."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        self.seen: list[tuple[str, torch.Tensor]] = []
+        for part in parts:
+            for fqn, pg in fsdp_patch.fsdp_param_groups(part):
+                pg.wait_for_unshard = self._wrap(fqn, pg, pg.wait_for_unshard)
+
+    def _wrap(self, fqn: str, pg, wait: Callable[[], None]) -> Callable[[], None]:
+        def wait_and_record() -> None:
+            gathered = bool(pg._all_gather_result)
+            wait()
+            if gathered:
+                for i, fp in enumerate(pg.fsdp_params):
+                    name = f"{fqn or '<root>'}[{i}]"
+                    self.seen.append((name, fp.unsharded_param.detach().clone()))
+
+        return wait_and_record
+
+    def take(self) -> list[tuple[str, torch.Tensor]]:
+        seen, self.seen = self.seen, []
+        return seen
+
+
+def compare_unsharded(
+    a: list[tuple[str, torch.Tensor]], tide: UnshardedLog, tol: float, label: str
+) -> int:
+    """Compare the stock copy's unsharded parameters ``a`` (an :meth:`UnshardedLog.take`)
+    with those ``tide`` recorded since its last take; returns how many were compared."""
+    b = tide.take()
+    assert len(a) == len(b), f"{label}: {len(a)} stock vs {len(b)} TIDE unsharded parameters"
+    for (name, p_ref), (name_t, p_tide) in zip(a, b):
+        assert name == name_t, f"{label}: all-gather order differs: {name} vs {name_t}"
+        _same(p_ref, p_tide, tol, f"{label} unsharded {name}")
+    return len(a)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -459,7 +529,9 @@ def loss_fn(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 class _Copy:
     """One parallelized copy: its model parts, optimizer and (PP) schedule."""
 
-    def __init__(self, base: nn.Module, layout: Layout, dims, tide: dict) -> None:
+    def __init__(
+        self, base: nn.Module, layout: Layout, dims, tide: dict, device: torch.device
+    ) -> None:
         jc = job_config_for(layout)
         jc.tide = Tide(**tide)
         self.layout = layout
@@ -469,13 +541,14 @@ class _Copy:
         self.schedule = None
         if layout.pp > 1:
             self.schedule, self.parts, self.first, self.last = pipeline_llm(
-                model, dims, jc, torch.device("cpu"), model_args_for(layout), fn, loss_fn
+                model, dims, jc, device, model_args_for(layout), fn, loss_fn
             )
         else:
             self.parts = [fn(model, dims, jc)]
         check_built(self.parts, layout)
         params = [p for part in self.parts for p in part.parameters()]
         self.opt = torch.optim.SGD(params, lr=LR)
+        self.unsharded = UnshardedLog(self.parts)
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """One optimizer step's forward and backward (all microbatches); the losses."""
@@ -503,35 +576,61 @@ class _Copy:
         self.opt.zero_grad()
 
 
-def run_layout(rank: int, world_size: int, layout: Layout) -> None:
-    """Stock FSDP2 vs TIDE on ``layout`` (see the module docstring); asserts on failure."""
-    use_cpu_device()  # TorchTitan's device_type "cpu" (it falls back to "cuda" otherwise)
-    use_cpu_moe_kernels()  # (forked workers: the patches end with them)
+def _copy_params(src: list[nn.Module], dst: list[nn.Module]) -> None:
+    with torch.no_grad():
+        for part_src, part_dst in zip(src, dst, strict=True):
+            for p_src, p_dst in zip(part_src.parameters(), part_dst.parameters(), strict=True):
+                _local(p_dst).copy_(_local(p_src))
+
+
+def run_layout(
+    rank: int, world_size: int, layout: Layout, device: torch.device | None = None
+) -> TideRecord:
+    """Stock FSDP2 vs TIDE on ``layout`` (see the module docstring); asserts on failure.
+    ``device``: None = CPU (gloo, TorchTitan switched to "cpu"); a CUDA device: the
+    models live there (NCCL; the caller set the process's device). Returns what TIDE
+    ran (calls and log lines of this process)."""
+    if device is None:
+        device = torch.device("cpu")
+        use_cpu_device()  # TorchTitan's device_type "cpu" (it falls back to "cuda" otherwise)
+        use_cpu_moe_kernels()  # (forked workers: the patches end with them)
     dims = ParallelDims(
         dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, cp=1, tp=layout.tp,
         pp=layout.pp, ep=layout.ep, etp=1, world_size=world_size,
     )  # fmt: skip
     dims.build_mesh()
-    base = build_model(layout)
+    base = build_model(layout).to(device)
     # Dense mesh order (pp, dp_replicate, fsdp, tp): the data-parallel rank.
     dp_rank = (rank // layout.tp) % (dims.dp_replicate * dims.dp_shard)
-    ref = _Copy(base, layout, dims, {"comm": "fsdp2"})
+    ref = _Copy(base, layout, dims, {"comm": "fsdp2"}, device)
+    # All-gathers copy: bitwise, unless the parameters were allowed to drift apart.
+    ag_tol = 0.0 if layout.resync_params else layout.tolerance
     with watch_tide() as rec:
         tides = {
-            lws: _Copy(base, layout, dims, {"comm": "tide", "local_world_size": lws})
+            lws: _Copy(
+                base, layout, dims, {**layout.tide, "comm": "tide", "local_world_size": lws}, device
+            )
             for lws in layout.local_world_sizes
         }
         for step in range(layout.steps):
-            x, y = _batch(step, dp_rank)
+            x, y = (t.to(device) for t in _batch(step, dp_rank))
             l_ref = ref.forward_backward(x, y)
+            unsharded_ref = ref.unsharded.take()
             for lws, tide in tides.items():
                 l_tide = tide.forward_backward(x, y)
                 what = f"[tide local_world_size={lws}] rank {rank} step {step}"
                 assert compare_grads(ref.parts, tide.parts, layout.tolerance, what) > 0
+                assert compare_unsharded(unsharded_ref, tide.unsharded, ag_tol, what) > 0
                 if l_ref is not None:
                     _same(l_ref, l_tide, layout.tolerance, f"{what} loss")
             ref.step()
             for tide in tides.values():
                 tide.step()
+                if layout.resync_params:
+                    _copy_params(ref.parts, tide.parts)
         for lws, tide in tides.items():
             check_tide_ran(tide.parts, rec, layout, dims, lws, f"[tide local_world_size={lws}] ")
+    for tide in tides.values():  # on every rank alike: TIDE's own communicators end
+        for part in tide.parts:
+            tide_comm.remove(part)
+    return rec

@@ -62,11 +62,15 @@ def _loaded_nccl() -> int:
     return nccl_rma.nccl_version() or 0
 
 
-needs_multi_rank_gpu = pytest.mark.skipif(
-    torch.cuda.is_available() and _loaded_nccl() < 23000,
-    reason="two ranks on one GPU as one NCCL node need NCCL >= 2.30 in torch's place "
-    "(scripts/gpu/check.sh's emulation stage swaps it in)",
-)
+def needs_multi_rank_gpu(test):
+    """Marked ``one_node`` (check.sh's emulation stage runs these with NCCL >= 2.30 swapped
+    in) and skipped where the loaded NCCL refuses two ranks on one GPU."""
+    skip = pytest.mark.skipif(
+        torch.cuda.is_available() and _loaded_nccl() < 23000,
+        reason="two ranks on one GPU as one NCCL node need NCCL >= 2.30 in torch's place "
+        "(scripts/gpu/check.sh's emulation stage swaps it in)",
+    )
+    return pytest.mark.one_node(skip(test))
 
 
 def _records() -> LogRecords:

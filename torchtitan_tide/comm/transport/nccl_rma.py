@@ -38,12 +38,16 @@ __all__ = [
     "RmaComm",
     "RmaWindow",
     "library_path",
+    "multi_rank_gpu_missing_reason",
     "nccl_version",
     "one_sided_missing_reason",
     "version_text",
 ]
 
 MIN_VERSION = 22900  # ncclPutSignal / ncclWaitSignal / ncclCommWindowRegister
+# NCCL_MULTI_RANK_GPU_ENABLE (ranks of one communicator sharing a GPU) is honoured from 2.30;
+# 2.28.9 answers "Duplicate GPU detected" (docs/2026-12-02-emulation.md).
+MULTI_RANK_GPU_MIN_VERSION = 23000
 _CONFIG_VERSION = 23000  # the ncclConfig_t layout below (2.30) and CTA policy ZERO
 _UNIQUE_ID_BYTES = 128
 _NCCL_INT8 = 0
@@ -361,3 +365,21 @@ class RmaComm:
         if self.comm:
             _library().ncclCommAbort(self.comm)
             self.comm = ctypes.c_void_p()
+
+
+def multi_rank_gpu_missing_reason() -> str | None:
+    """Why ranks of one NCCL communicator cannot share a GPU in this process's NCCL
+    (``NCCL_MULTI_RANK_GPU_ENABLE=1``: the one-node emulation, docs/2026-12-02-emulation.md),
+    or None when they can."""
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    code = nccl_version()
+    if code is None:
+        return "no NCCL library is loaded in this process"
+    if code < MULTI_RANK_GPU_MIN_VERSION:
+        return (
+            f"NCCL {version_text(code)} ({library_path()}) refuses two ranks on one GPU "
+            "(NCCL_MULTI_RANK_GPU_ENABLE needs >= 2.30); scripts/gpu/nccl_swap.sh runs a "
+            "command with a newer build in torch's place"
+        )
+    return None
