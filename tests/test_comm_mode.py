@@ -60,8 +60,10 @@ def test_hardware_reasons():
 
 def test_symm_mem_on_gloo_as_the_launcher_predicts(gloo_world_of_one, caplog):
     """The launcher refuses symm_mem on a CPU world, or says it falls back to fsdp2; the ranks
-    decide alike (launch.comm_for_world and apply_comm_mode share unavailable_reason)."""
-    from torchtitan_tide.launch import LaunchError, World, comm_for_world
+    decide alike (launch/checks.py comm_for_world and apply_comm_mode share unavailable_reason)."""
+    from torchtitan_tide.launch.checks import CommChoice, comm_for_world
+    from torchtitan_tide.launch.errors import LaunchError
+    from torchtitan_tide.launch.world import World
 
     cpu_world = World(nnodes=1, nproc_per_node=1, node_rank=0, device="cpu", master_addr=None,
                       master_port=29500)
@@ -70,7 +72,8 @@ def test_symm_mem_on_gloo_as_the_launcher_predicts(gloo_world_of_one, caplog):
     with pytest.raises(CommModeError, match="fallback = 'fsdp2'"):
         apply_comm_mode(sharded_model(gloo_world_of_one), Tide(comm="symm_mem"))
     fallback = Tide(comm="symm_mem", fallback="fsdp2")
-    assert comm_for_world(fallback, cpu_world) == "fsdp2"
+    choice = comm_for_world(fallback, cpu_world)
+    assert choice == CommChoice("fsdp2", unavailable_reason("symm_mem", "gloo"))
     with caplog.at_level("WARNING"):
         assert apply_comm_mode(sharded_model(gloo_world_of_one), fallback) == "fsdp2"
     assert "falling back to comm = 'fsdp2' as [tide] fallback asks" in caplog.text

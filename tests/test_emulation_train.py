@@ -30,7 +30,7 @@ import pytest
 import torch
 from train_helpers import REPO, alive, end_tree, kill_exact, losses, read_metrics, start_time
 
-from torchtitan_tide.launch import MULTICAST_OFF
+from torchtitan_tide.launch.command import MULTICAST_OFF
 
 EMULATE = REPO / "scripts" / "gpu" / "emulate.sh"
 HOOKS = REPO / "tests" / "hooks"

@@ -8,7 +8,9 @@ from torchtitan.distributed import ParallelDims
 from torchtitan_tide.comm.group_sizes import check_local_world_size, fsdp_group_sizes
 from torchtitan_tide.comm.options import TideOptionError
 from torchtitan_tide.config import Tide, TideConfigError
-from torchtitan_tide.launch import LaunchError, World, check_run_values
+from torchtitan_tide.launch.checks import check_run_values
+from torchtitan_tide.launch.errors import LaunchError
+from torchtitan_tide.launch.world import World
 from torchtitan_tide.train_specs import check_group_sizes
 
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from torchtitan_tide import job_args, launch
 from torchtitan_tide.config import load_toml
+from torchtitan_tide.launch import checks, command_line, job_config, main
 
 
 def run_dry(repo, args, cwd=None, **env):
@@ -39,7 +39,9 @@ def test_config_by_name_and_path_and_overrides(repo, tmp_path):
     assert "llama3_tide / flavor debugmodel" in by_name.stdout
 
     with_suffix = run_dry(repo, ["--config=debug_model.toml"])
-    assert command_of(with_suffix.stdout) [-2:] == ["--job.config_file", config_path]
+    # stdout is a pipe here: TorchTitan's colour codes are off (test_plain_logs_off_a_terminal)
+    assert command_of(with_suffix.stdout)[-3:] == [
+        "--job.config_file", config_path, "--metrics.disable_color_printing"]
 
     copy = tmp_path / "mine.toml"
     copy.write_text((repo / "train_configs" / "debug_model.toml").read_text())
@@ -94,7 +96,7 @@ def test_multi_node_from_env_and_slurm(repo):
 
 
 def test_override_values_parsing():
-    values = launch.override_values(
+    values = command_line.override_values(
         ["--training.steps", "5", "--tide.comm=tide", "--checkpoint.enable", "--metrics.log-freq", "2"]
     )
     assert values == {"training.steps": "5", "tide.comm": "tide", "checkpoint.enable": "true",
@@ -111,8 +113,8 @@ def dry_main(monkeypatch, capsys, *args, dry_run=True):
     def no_start(cmd, **kwargs):
         raise AssertionError(f"the launcher started {cmd}")
 
-    monkeypatch.setattr(launch.subprocess, "call", no_start)
-    code = launch.main(["--config", "debug_model", *args, *(["--dry-run"] if dry_run else [])])
+    monkeypatch.setattr(main.subprocess, "call", no_start)
+    code = main.main(["--config", "debug_model", *args, *(["--dry-run"] if dry_run else [])])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -152,10 +154,10 @@ def test_bad_run_values_fail_in_the_launcher(monkeypatch, capsys, args, message)
 
 
 def test_booleans_either_way(monkeypatch, capsys):
-    keys = job_args.bool_keys(job_args.option_types("torchtitan_tide.config"))
+    keys = job_config.bool_keys(job_config.option_types("torchtitan_tide.config"))
     assert {"tide.slot_reuse", "tide.metrics_jsonl", "checkpoint.enable"} <= keys
     assert "quantize.linear.float8.emulate" in keys  # nested sections too
-    normalize = launch.normalize_bool_flags
+    normalize = command_line.normalize_bool_flags
     assert normalize(["--tide.slot_reuse", "false", "--training.steps", "3"], keys) == [
         "--tide.no_slot_reuse", "--training.steps", "3"]
     for off in (["--tide.slot-reuse=0"], ["--tide.no-slot-reuse"], ["--tide.slot_reuse", "No"]):
@@ -175,17 +177,17 @@ def test_booleans_either_way(monkeypatch, capsys):
     # What the launcher passes on is what TorchTitan's parser takes (also the train entry's form).
     from torchtitan.config import ConfigManager
 
-    config = str(launch.REPO_CONFIG_DIR / "debug_model.toml")
+    config = str(command_line.REPO_CONFIG_DIR / "debug_model.toml")
     for args, expected in (([ "--tide.no_slot_reuse"], False), (["--tide.slot_reuse"], True)):
         parsed = ConfigManager().parse_args(["--job.config_file", config, *args])
         assert parsed.tide.slot_reuse is expected
-    tide = launch.effective_tide(launch.REPO_CONFIG_DIR / "debug_model.toml", load_toml(config),
+    tide = command_line.effective_tide(command_line.REPO_CONFIG_DIR / "debug_model.toml", load_toml(config),
                                  {"tide.no_slot_reuse": "true"})
     assert tide.slot_reuse is False
 
 
 def test_help_and_dry_run_text(monkeypatch, capsys):
-    assert launch.main(["--help"]) == 0
+    assert main.main(["--help"]) == 0
     assert "./run_train.sh --config NAME[.toml] [--dry-run]" in capsys.readouterr().out
 
     code, out, _ = dry_main(monkeypatch, capsys, "--tide.comm", "tide")
@@ -248,19 +250,19 @@ def test_help_before_the_install_and_into_a_closed_pipe(repo, tmp_path):
 )
 def test_job_config_parsed_as_the_trainer_will(monkeypatch, capsys, args, message):
     err = refused(monkeypatch, capsys, *args)
-    assert message in err and job_args.OPTIONS_HELP in err, err
+    assert message in err and job_config.OPTIONS_HELP in err, err
 
 
 def test_unknown_toml_key_is_named_with_its_file(monkeypatch, capsys, tmp_path):
     config = tmp_path / "typo.toml"
-    text = (launch.REPO_CONFIG_DIR / "debug_model.toml").read_text()
+    text = (command_line.REPO_CONFIG_DIR / "debug_model.toml").read_text()
     config.write_text(text.replace("[training]\n", "[training]\nwarmup_stepz = 3\n", 1))
     code, _, err = dry_main(monkeypatch, capsys, "--config", str(config))
     assert code == 2
     assert f"[training] warmup_stepz in {config} is not a TorchTitan 0.2.2 or [tide] option" in err
     # What passes the launcher is what TorchTitan's parser, as the trainer runs it, accepts.
-    parsed = job_args.parse_job_config(launch.trainer_args(
-        launch.REPO_CONFIG_DIR / "debug_model.toml", ["--tide.comm", "tide", "--training.steps", "3"]))
+    parsed = job_config.parse_job_config(job_config.trainer_args(
+        command_line.REPO_CONFIG_DIR / "debug_model.toml", ["--tide.comm", "tide", "--training.steps", "3"]))
     assert parsed.tide.comm == "tide" and parsed.training.steps == 3
 
 
@@ -294,11 +296,32 @@ def test_dump_folder_that_cannot_be_written(monkeypatch, capsys, tmp_path):
     assert f"{a_file} is a file, not a folder" in err
 
     config = tmp_path / "mine.toml"
-    text = (launch.REPO_CONFIG_DIR / "debug_model.toml").read_text()
+    text = (command_line.REPO_CONFIG_DIR / "debug_model.toml").read_text()
     config.write_text(text.replace('dump_folder = "./outputs/debug_model"', f'dump_folder = "{a_file}/x"'))
     code, _, err = dry_main(monkeypatch, capsys, "--config", str(config))
     assert code == 2 and f"[job] dump_folder in {config} '{a_file}/x': {a_file} is a file" in err, err
 
-    monkeypatch.setattr(launch.os, "access", lambda path, mode: False)  # root writes anywhere
+    monkeypatch.setattr(checks.os, "access", lambda path, mode: False)  # root writes anywhere
     err = refused(monkeypatch, capsys, "--job.dump_folder", str(tmp_path / "new" / "run"))
     assert f"not writable by this user ({tmp_path}, where it would be created)" in err
+
+
+def test_plain_logs_off_a_terminal(monkeypatch, capsys, repo, tmp_path):
+    """A batch job's log file gets no ANSI colour codes: with stdout not a terminal the
+    launcher turns TorchTitan's colour off, unless the run sets the key itself."""
+    flag = "--metrics.disable_color_printing"
+    code, out, _ = dry_main(monkeypatch, capsys)  # capsys: stdout is no terminal
+    assert code == 0 and flag in command_of(out)
+    for user_choice in (["--metrics.no-disable-color-printing"], ["--metrics.disable_color_printing", "false"]):
+        code, out, _ = dry_main(monkeypatch, capsys, *user_choice)
+        assert code == 0 and flag not in command_of(out)
+        assert "--metrics.no_disable_color_printing" in command_of(out), user_choice
+    config = tmp_path / "colour.toml"
+    text = (command_line.REPO_CONFIG_DIR / "debug_model.toml").read_text()
+    config.write_text(text.replace("[metrics]\n", "[metrics]\ndisable_color_printing = false\n", 1))
+    code, out, err = dry_main(monkeypatch, capsys, "--config", str(config))
+    assert code == 0 and flag not in command_of(out), err
+
+    monkeypatch.setattr(main.sys.stdout, "isatty", lambda: True)  # an interactive terminal
+    code, out, _ = dry_main(monkeypatch, capsys)
+    assert code == 0 and flag not in command_of(out)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from torchtitan_tide.config import check_config_file, load_toml
-from torchtitan_tide.launch import parallelism_line
+from torchtitan_tide.launch.summary import parallelism_line
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "train_configs"
 ALL_CONFIGS = sorted(CONFIG_DIR.glob("*.toml"))

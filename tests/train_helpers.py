@@ -24,17 +24,25 @@ def cpu_env(nproc: int = 2, **extra: str) -> dict[str, str]:
     return env
 
 
-def train(dump_folder: Path, *overrides: str, config: str = "debug_model", nproc: int = 2,
-          timeout: int = 600) -> list[dict]:
-    """Train on CPU/gloo; return the metrics records of this dump folder (all runs)."""
-    env = cpu_env(nproc)
+def run_train(dump_folder: Path, *overrides: str, config: str = "debug_model", nproc: int = 2,
+              timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
+    """Train on CPU/gloo (``env``: extra variables); the finished process, its output
+    captured (stdout is a pipe, as under sbatch). Raises AssertionError when it failed."""
     result = subprocess.run(
         [str(REPO / "run_train.sh"), "--config", config, "--job.dump_folder", str(dump_folder),
          *SMALL_RUN, *overrides],
-        capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO, check=False,
+        capture_output=True, text=True, env=cpu_env(nproc, **env), timeout=timeout, cwd=REPO,
+        check=False,
     )
     if result.returncode != 0:
         raise AssertionError(f"training failed ({result.returncode}):\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}")
+    return result
+
+
+def train(dump_folder: Path, *overrides: str, config: str = "debug_model", nproc: int = 2,
+          timeout: int = 600) -> list[dict]:
+    """Train on CPU/gloo; return the metrics records of this dump folder (all runs)."""
+    run_train(dump_folder, *overrides, config=config, nproc=nproc, timeout=timeout)
     return read_metrics(dump_folder)
 
 

@@ -3,7 +3,7 @@
 Runs TorchTitan 0.2.2's own Trainer. Before TorchTitan builds anything it:
 1. checks the TOML's ``[tide]`` table (unknown keys, bad values) and fails early, and sets
    the environment the comm mode needs before any process group exists
-   (``comm = "symm_mem"``: ``NCCL_CTA_POLICY=2``, see ``launch.comm_env``);
+   (``comm = "symm_mem"``: ``NCCL_CTA_POLICY=2``, see ``launch/command.py`` ``comm_env``);
 2. on machines without CUDA (or with ``TIDE_DEVICE=cpu``) switches TorchTitan to the
    CPU device (gloo process groups, CPU memory monitor, CPU MoE index kernels);
 3. registers the ``*_tide`` train specs and the ``tide_text`` dataset;
@@ -23,8 +23,8 @@ import torch
 from torchtitan_tide import checkpoint, guards
 from torchtitan_tide.config import load_toml
 from torchtitan_tide.device import use_cpu_device, wants_cpu
-from torchtitan_tide.launch import (
-    comm_env,
+from torchtitan_tide.launch.command import comm_env
+from torchtitan_tide.launch.command_line import (
     effective_tide,
     normalize_bool_flags,
     override_values,

@@ -28,7 +28,7 @@ from torchtitan_tide.comm.options import TideOptionError
 from torchtitan_tide.comm.symm_mem import SymmMemUnavailable
 from torchtitan_tide.config import Tide, TideConfigError
 from torchtitan_tide.data import register_dataset, resolve_asset_path
-from torchtitan_tide.launch import unavailable_reason  # the launcher decides alike, earlier
+from torchtitan_tide.launch.checks import unavailable_reason  # the launcher decides alike, earlier
 from torchtitan_tide.metrics import build_metrics_processor_with_jsonl
 
 ParallelizeFn = Callable[[nn.Module, ParallelDims, JobConfig], nn.Module]

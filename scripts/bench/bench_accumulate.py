@@ -100,7 +100,7 @@ def _symmetric_rows(rows: torch.Tensor) -> torch.Tensor:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out-dir", default="bench/results")
+    common.add_out_dir(parser)
     parser.add_argument("--numel", type=int, default=427_819_008)
     parser.add_argument("--iters", type=int, default=5)
     args = parser.parse_args(argv)

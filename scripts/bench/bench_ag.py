@@ -759,7 +759,7 @@ def _worker(rank: int, world: int, cfg: BenchConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out-dir", default="bench/results")
+    common.add_out_dir(ap)
     ap.add_argument("--world", type=int, default=None, help="processes (default: min(2, GPUs))")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument(
@@ -792,8 +792,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(md.read_text(), flush=True)
         print(f"benchmark failed; partial results (if any) under {stem}.*", file=sys.stderr)
         raise
-    print(f"results: {stem}.json / .md / .png", flush=True)
-    print(md.read_text(), flush=True)
+    common.announce_results(stem, md.read_text())
     return 0
 
 

@@ -558,7 +558,7 @@ def _worker(rank: int, world: int, cfg: BenchConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out-dir", default="bench/results")
+    common.add_out_dir(ap)
     ap.add_argument("--world", type=int, default=None, help="processes (default: min(2, GPUs))")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--modes", default=None, help=f"comma list of {sorted(MODES)}")

@@ -186,7 +186,7 @@ def _variants(emulation: str, wires: list[str]) -> list[dict]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out-dir", default="bench/results")
+    common.add_out_dir(parser)
     parser.add_argument("--emulation", choices=sorted(EMULATION_ENV), default="one_node")
     parser.add_argument("--ranks", type=int, default=2, help="emulated nodes on GPU 0")
     parser.add_argument("--dim", type=int, default=2048)
@@ -236,7 +236,8 @@ def main() -> int:
                         labels=[r["variant"] for r in rows],
                         values=[r.get("wire_mib") or 0.0 for r in rows], ylabel="MiB"),
     ]  # fmt: skip
-    print(common.write_result(stem, results, "TIDE cross-node path (emulated)", charts=charts))
+    title = "TIDE cross-node path (emulated)"
+    common.announce_results(stem, common.write_result(stem, results, title, charts=charts))
     return 1 if errors else 0
 
 

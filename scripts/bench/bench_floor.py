@@ -64,7 +64,7 @@ def load_job_config(config: str, overrides: Sequence[str] = ()):
     TorchTitan command-line ``overrides``."""
     from torchtitan.config import ConfigManager
 
-    from torchtitan_tide.launch import resolve_config
+    from torchtitan_tide.launch.command_line import resolve_config
 
     path = resolve_config(config)
     return ConfigManager().parse_args(["--job.config_file", str(path), *overrides])
@@ -429,26 +429,19 @@ def run(args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="h200x2_llama70b_4layers")
-    parser.add_argument("--world-size", type=int, default=2,
-                        help="ranks of the step whose per-GPU work is measured")  # fmt: skip
-    parser.add_argument("--device", default="auto", help="auto | cuda | cpu")
+    parser = common.step_work_parser(__doc__.splitlines()[0], "measured")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=0,
                         help=f"timed iterations per variant and round; 0: about --target-s "
                              f"of work, {MIN_ITERS}-{MAX_ITERS}")  # fmt: skip
     parser.add_argument("--target-s", type=float, default=3.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out-dir", default="bench/results")
     args, overrides = parser.parse_known_args(argv)
     if args.world_size < 1 or args.rounds < 1:
         parser.error("--world-size and --rounds must be >= 1")
     results = run(args, overrides)
     stem = common.result_stem(args.out_dir, f"floor_{results['config']}", results["metadata"])
-    print(write_outputs(stem, results))
-    print(f"results: {stem}.json / .md / .png", flush=True)
+    common.announce_results(stem, write_outputs(stem, results))
     return 0
 
 

@@ -409,7 +409,7 @@ def write_outputs(results: dict, final: bool) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out-dir", default="bench/results")
+    common.add_out_dir(ap)
     ap.add_argument("--world", type=int, default=None, help="processes (default: min(2, GPUs))")
     ap.add_argument("--reps", type=int, default=6, help="bursts per (op, GEMM, mode, round)")
     ap.add_argument("--modes", default=",".join(MODES))

@@ -378,8 +378,8 @@ def write_outputs(
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out-dir", default="bench/results")
-    parser.add_argument("--config", default="h200x2_llama70b_4layers")
+    common.add_out_dir(parser)
+    parser.add_argument("--config", default=common.STEP_CONFIG)
     parser.add_argument("--modes", default="fsdp2,symm_mem,tide")
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=5)
@@ -437,8 +437,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"[bench_step] round {round_index} {mode}: {shown}", flush=True)
 
     stem = common.result_stem(args.out_dir, f"step_{args.config}", meta)
-    text = write_outputs(stem, meta, vars(args), runs, profile, floor)
-    print(text)
+    common.announce_results(stem, write_outputs(stem, meta, vars(args), runs, profile, floor))
     if any(row.get("error") for row in compare(runs)):
         sys.exit(1)
 

@@ -2,8 +2,8 @@
 simulator's compute input, ``python -m torchtitan_tide.simulator --trace``).
 
 The model, shapes, loss and data are bench_floor's (the trainer's, per-GPU work of a
-``--world-size``-rank step, no communication). Each FSDP group of the memory planner's
-grouping (``torchtitan_tide.plan.fsdp_group_modules``: the groups FSDP2 would wrap) gets
+``--world-size``-rank step, no communication). Each FSDP group of the FSDP group model's
+grouping (``torchtitan_tide.fsdp_groups.fsdp_group_modules``: the groups FSDP2 would wrap) gets
 timing marks: forward from the group's first module's pre-hook to its last module's
 forward hook; backward from the gradient hook of the group's output (its backward
 starts) to the last gradient accumulated into one of its parameters (it is done). On
@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_floor
 import common
 
-from torchtitan_tide.plan import fsdp_group_modules
+from torchtitan_tide.fsdp_groups import fsdp_group_modules
 
 COLUMNS = [
     ["group", "group"],
@@ -248,17 +248,11 @@ def write_outputs(stem: Path, result: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None, runner: Callable = run) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="h200x2_llama70b_4layers")
-    parser.add_argument("--world-size", type=int, default=2,
-                        help="ranks of the step whose per-GPU work is traced")  # fmt: skip
+    parser = common.step_work_parser(__doc__.splitlines()[0], "traced")
     parser.add_argument("--precision", choices=("fsdp2", "world1"), default="fsdp2",
                         help="fsdp2: bf16 parameters (FSDP2's mixed precision); world1: what "
                              "the one-GPU trainer runs (fp32 weights under autocast)")  # fmt: skip
-    parser.add_argument("--device", default="auto", help="auto | cuda | cpu")
-    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--out-dir", default="bench/results")
     args, overrides = parser.parse_known_args(argv)
     if args.world_size < 1 or args.iters < 1 or args.warmup < 0:
         parser.error("--world-size and --iters must be >= 1, --warmup >= 0")
@@ -267,8 +261,7 @@ def main(argv: Sequence[str] | None = None, runner: Callable = run) -> int:
     result = runner(args, overrides)
     kind = "trace_world1" if args.precision == "world1" else "trace"
     stem = common.result_stem(args.out_dir, f"{kind}_{result['config']}", result["metadata"])
-    print(write_outputs(stem, result))
-    print(f"results: {stem}.json / .md / .png", flush=True)
+    common.announce_results(stem, write_outputs(stem, result))
     return 0
 
 

@@ -18,6 +18,7 @@ available, and matplotlib is imported lazily (missing -> no PNG, a warning).
 
 from __future__ import annotations
 
+import argparse
 import bisect
 import datetime as _dt
 import gzip
@@ -36,7 +37,10 @@ from typing import Any
 __all__ = [
     "LAYOUT_KERNELS",
     "MODE_ORDER",
+    "RESULTS_DIR",
     "BarChart",
+    "add_out_dir",
+    "announce_results",
     "bus_gibps",
     "classify_device_event",
     "device_events",
@@ -57,6 +61,7 @@ __all__ = [
     "short_error",
     "slugify",
     "sm_weighted_us",
+    "step_work_parser",
     "summarize_device_events",
     "write_bar_png",
     "write_json",
@@ -65,6 +70,8 @@ __all__ = [
 ]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+RESULTS_DIR = "bench/results"
+STEP_CONFIG = "h200x2_llama70b_4layers"  # the training step the step benchmarks default to
 METADATA_KEYS = (
     "date",
     "machine",
@@ -173,6 +180,35 @@ def result_stem(out_dir: str | os.PathLike, name: str, meta: Mapping[str, Any]) 
     day = str(meta["date"])[:10]
     commit = slugify(str(meta.get("commit") or "unknown"))
     return Path(out_dir) / f"{day}_{slugify(str(meta['machine']))}_{commit}_{name}"
+
+
+def add_out_dir(parser: argparse.ArgumentParser) -> None:
+    """``--out-dir`` (default :data:`RESULTS_DIR`): where a run's ``<stem>.*`` go."""
+    parser.add_argument("--out-dir", default=RESULTS_DIR,
+                        help=f"folder of the result files (default {RESULTS_DIR})")  # fmt: skip
+
+
+def step_work_parser(description: str, measured: str) -> argparse.ArgumentParser:
+    """The options of a benchmark of one rank's work of a training step (``bench_floor``,
+    ``bench_trace``): ``--config`` (a name in train_configs/ or a path), ``--world-size``
+    (ranks of the step whose per-GPU work is ``measured``), ``--device``, ``--warmup``,
+    ``--out-dir``. The script adds its own; ``parse_known_args`` leaves TorchTitan's
+    ``--section.key value`` overrides for the job config."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", default=STEP_CONFIG)
+    parser.add_argument("--world-size", type=int, default=2,
+                        help=f"ranks of the step whose per-GPU work is {measured}")  # fmt: skip
+    parser.add_argument("--device", default="auto", help="auto | cuda | cpu")
+    parser.add_argument("--warmup", type=int, default=2)
+    add_out_dir(parser)
+    return parser
+
+
+def announce_results(stem: str | os.PathLike, markdown: str) -> None:
+    """Print where a run's files are, then its Markdown (:func:`write_result`'s return):
+    the tables are the last lines of every benchmark's output."""
+    print(f"results: {stem}.json / .md / .png", flush=True)
+    print(markdown, flush=True)
 
 
 def _json_default(obj: Any) -> Any:

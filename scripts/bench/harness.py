@@ -243,9 +243,7 @@ def run_benchmark(
         write(results, False)
     results["status"] = "complete"
     results["wall_s"] = round(time.perf_counter() - t0, 1)
-    text = write(results, True)
-    print(f"results: {stem}.json / .md / .png", flush=True)
-    print(text, flush=True)
+    common.announce_results(stem, write(results, True))
     return 1 if failed else 0
 
 

@@ -317,7 +317,7 @@ def _notes(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out-dir", default="bench/results")
+    common.add_out_dir(parser)
     parser.add_argument("--trials", type=int, default=2)
     args = parser.parse_args(argv)
     import torch.multiprocessing as mp
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         stem, results, "TIDE-RS cross-node wire dtype: gradient error and bytes (CPU, gloo)",
         notes=_notes(results), charts=_charts(results),
     )  # fmt: skip
-    print(f"results: {stem}.json / .md / .png\n{text}", flush=True)
+    common.announce_results(stem, text)
     return 0
 
 

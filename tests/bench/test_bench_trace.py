@@ -1,5 +1,5 @@
 """bench_trace: per-FSDP-group fwd/bwd marks on the debug model (CPU, tiny shapes), the
-groups named as the memory planner names them."""
+groups named as the FSDP group model (torchtitan_tide/fsdp_groups.py) names them."""
 
 import json
 import subprocess

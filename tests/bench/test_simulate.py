@@ -287,7 +287,7 @@ def test_cluster_file(tmp_path):
 
 
 def test_inputs_name_their_sources_and_charge_tide_rs_once():
-    from torchtitan_tide.plan import load_config_model
+    from torchtitan_tide.fsdp_groups import load_config_model
 
     cm = load_config_model("h200x2_qwen3_30b_a3b_4layers")
     ins = inputs.build_inputs(cm, inputs.RESULTS, None, 0.4)
@@ -359,7 +359,7 @@ def test_cli_prints_rows_and_sources(tmp_path, capsys):
 
 
 def test_inputs_fall_back_to_flops_when_the_trace_has_other_layers():
-    from torchtitan_tide.plan import load_config_model
+    from torchtitan_tide.fsdp_groups import load_config_model
 
     cm = load_config_model("debug_model")  # llama3_tide, but not the 70B layer of the trace
     ins = inputs.build_inputs(cm, inputs.RESULTS, None, mfu=0.5)
@@ -385,7 +385,7 @@ def test_host_time_from_a_world1_step_file_or_the_recorded_figures(tmp_path):
 
 
 def test_world1_rows_say_when_the_world1_trace_is_missing(tmp_path):
-    from torchtitan_tide.plan import load_config_model
+    from torchtitan_tide.fsdp_groups import load_config_model
 
     cm = load_config_model("h200x2_llama70b_4layers")
     ins = inputs.build_inputs(cm, inputs.RESULTS, None, 0.4, world1=True)
@@ -445,7 +445,7 @@ def test_package_modules_import_only_earlier_ones():
 
 
 def test_ring_rs_symm_mem_swaps_only_symm_mem_reduce_scatter():
-    from torchtitan_tide.plan import load_config_model
+    from torchtitan_tide.fsdp_groups import load_config_model
 
     cm = load_config_model("h200x2_qwen3_30b_a3b_4layers")
     ins = inputs.build_inputs(cm, inputs.RESULTS, None, 0.4)
@@ -463,7 +463,7 @@ def test_ring_rs_symm_mem_swaps_only_symm_mem_reduce_scatter():
 def test_layout_copies_scale_with_the_simulated_model():
     """Layout kernels cost per element of the measured config: the measured config gets
     its profiled ms back, a smaller model of the same family proportionally less."""
-    from torchtitan_tide.plan import load_config_model
+    from torchtitan_tide.fsdp_groups import load_config_model
 
     measured = load_config_model("h200x2_llama70b_4layers")
     tiny = load_config_model("debug_model")

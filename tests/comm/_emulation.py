@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from _harness import free_port
 
-from torchtitan_tide.launch import MULTICAST_OFF
+from torchtitan_tide.launch.command import MULTICAST_OFF
 
 MODES = ("nodes", "one_node")
 HOST_ID_PREFIX = "emunode"

@@ -19,7 +19,7 @@ NaN-poisoned before every all-gather and checked after;
 TIDE-RS outputs and partials are NaN-poisoned before they are written. Finally
 every FSDP group is checked against what it should have run: TIDE-AG / TIDE-RS
 calls counted per group (wrappers around ``fsdp_patch.tide_all_gather`` /
-``tide_reduce``) on the process group of the expected mesh dimension as the expected
+``reduce_scatter.tide_reduce``) on the process group of the expected mesh dimension as the expected
 nodes x ranks, or the FSDP2 path with the expected log line.
 
 ``run_layout(..., device=torch.device("cuda", 0))`` runs the same on CUDA (NCCL): the
@@ -329,7 +329,7 @@ def watch_tide() -> Iterator[TideRecord]:
     TIDE-RS: every output and partial before it is written), capture the
     ``torchtitan_tide`` and ``torchtitan`` log lines."""
     rec = TideRecord()
-    orig_ag, orig_rs = fsdp_patch.tide_all_gather, fsdp_patch.tide_reduce
+    orig_ag, orig_rs = fsdp_patch.tide_all_gather, tide_rs.tide_reduce
 
     def counted_ag(state, fsdp_params, group, *args, **kwargs):
         for fp in fsdp_params:
@@ -358,13 +358,13 @@ def watch_tide() -> Iterator[TideRecord]:
     for lg in loggers:
         lg.setLevel(logging.INFO)
         lg.addHandler(handler)
-    fsdp_patch.tide_all_gather, fsdp_patch.tide_reduce = counted_ag, counted_rs
+    fsdp_patch.tide_all_gather, tide_rs.tide_reduce = counted_ag, counted_rs
     tide_ag.set_debug_hooks(before=poison, after=written)
     tide_rs.set_poison(float("nan"))
     try:
         yield rec
     finally:
-        fsdp_patch.tide_all_gather, fsdp_patch.tide_reduce = orig_ag, orig_rs
+        fsdp_patch.tide_all_gather, tide_rs.tide_reduce = orig_ag, orig_rs
         tide_ag.set_debug_hooks()
         tide_rs.set_poison(None)
         for lg, level in zip(loggers, levels):

@@ -79,7 +79,7 @@ def _bounded_setup_one_gpu(rank: int, world_size: int) -> None:
         assert torch.cuda.current_device() == 0  # the helper thread runs on the rank's device
         return SymmSlots.connect(buffer, dist.group.WORLD, device, "copy_engine", exchange)
 
-    slots = steps.run("symmetric-memory rendezvous", "node0", [0], rendezvous)
+    slots = steps.run("symmetric-memory rendezvous", "node0", [0], rendezvous, device)
     view = slots.peer_flags[0]
     assert view.device == device
     slots.barrier()  # usable from the main thread after the helper thread's rendezvous

@@ -7,7 +7,7 @@ import json
 import pytest
 from torch import nn
 
-from torchtitan_tide import plan as plan_cli
+from torchtitan_tide import fsdp_groups, memory_report
 from torchtitan_tide.comm.memory_plan import (
     CommDtypes,
     GroupShape,
@@ -116,7 +116,7 @@ class TinyLlama(nn.Module):
 
 
 def test_groups_follow_torchtitan_apply_fsdp():
-    groups, sentence = plan_cli.fsdp_groups(TinyLlama(), "llama3_tide")
+    groups, sentence = fsdp_groups.fsdp_groups(TinyLlama(), "llama3_tide")
     assert [g.name for g in groups] == [
         "root",
         "tok_embeddings",
@@ -129,21 +129,21 @@ def test_groups_follow_torchtitan_apply_fsdp():
     assert groups[-1].param_shapes == ((13,), (13,), (5, 13))
     assert [g.reshard_after_forward for g in groups] == [False, True, True, True, False]
     assert "one per block of model.layers" in sentence
-    generic, sentence = plan_cli.fsdp_groups(TinyLlama(), "someone_elses_spec", "never")
+    generic, sentence = fsdp_groups.fsdp_groups(TinyLlama(), "someone_elses_spec", "never")
     assert [g.name for g in generic] == ["root", "layers.0", "layers.1"]
     assert not any(g.reshard_after_forward for g in generic)
     assert "generic" in sentence
 
 
 def test_model_without_layers_is_a_named_error():
-    with pytest.raises(plan_cli.PlanError, match="no `layers` container"):
-        plan_cli.fsdp_groups(nn.Linear(2, 2), "llama3_tide")
-    with pytest.raises(plan_cli.PlanError, match="fsdp_reshard_after_forward"):
-        plan_cli.fsdp_groups(TinyLlama(), "llama3_tide", "sometimes")
+    with pytest.raises(fsdp_groups.FsdpGroupsError, match="no `layers` container"):
+        fsdp_groups.fsdp_groups(nn.Linear(2, 2), "llama3_tide")
+    with pytest.raises(fsdp_groups.FsdpGroupsError, match="fsdp_reshard_after_forward"):
+        fsdp_groups.fsdp_groups(TinyLlama(), "llama3_tide", "sometimes")
 
 
 def _run_cli(capsys, *argv: str) -> str:
-    assert plan_cli.main(list(argv)) == 0
+    assert memory_report.main(list(argv)) == 0
     return capsys.readouterr().out
 
 
@@ -200,7 +200,7 @@ def test_cli_llama70b_4layers_2_and_64_gpus(capsys, tmp_path):
 )
 def test_cli_bad_flags_name_the_flag(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
-        plan_cli.main(argv)
+        memory_report.main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
 
@@ -230,15 +230,15 @@ def _toml(tmp_path, model: str, parallelism: str = "") -> str:
 )
 def test_cli_bad_toml_names_the_key(capsys, tmp_path, model, parallelism, message):
     with pytest.raises(SystemExit):
-        plan_cli.main(["--config", _toml(tmp_path, model, parallelism), "--gpus", "8"])
+        memory_report.main(["--config", _toml(tmp_path, model, parallelism), "--gpus", "8"])
     assert message in capsys.readouterr().err
 
 
 def test_world_hsdp_and_cp():
     table = {"parallelism": {"data_parallel_replicate_degree": 2, "context_parallel_degree": 2}}
-    world = plan_cli.world_for(table, 64, 8)
+    world = fsdp_groups.world_for(table, 64, 8)
     assert (world.shard_degree, world.local, world.nodes) == (32, 8, 4)  # dp_shard 16 x cp 2
-    world = plan_cli.world_for({"parallelism": {"data_parallel_replicate_degree": 16}}, 64, 8)
+    world = fsdp_groups.world_for({"parallelism": {"data_parallel_replicate_degree": 16}}, 64, 8)
     assert (world.shard_degree, world.local, world.nodes) == (4, 4, 1)
 
 

@@ -37,7 +37,7 @@ def _simulate(layout: WorldLayout, specs: list[ParamSpec], pacing: int = 0) -> N
     shards; check sends only use held data, receivers get exactly what their
     peer sends, and at the end every rank holds every shard."""
     W = layout.world_size
-    plans = [build_group_plan(specs, layout, r) for r in range(W)]
+    plans = [build_group_plan(specs, layout, r, pacing=pacing) for r in range(W)]
     held = [{(p.index, r) for p in plans[r].params} for r in range(W)]
     n_steps = {len(p.exchanges) for p in plans}
     assert len(n_steps) == 1
@@ -46,7 +46,8 @@ def _simulate(layout: WorldLayout, specs: list[ParamSpec], pacing: int = 0) -> N
         for r in range(W):
             ex = plans[r].exchanges[step]
             chunks = chunks_for_ranks(plans[r].params, ex.send_ranks)
-            waves = pace_chunks(chunks, pacing)
+            waves = ex.send_waves  # what the transport posts
+            assert [c for w in waves for c in w] == chunks
             if pacing:
                 assert all(len(w) <= pacing for w in waves)
             flat = [c for w in waves for c in w]
@@ -56,12 +57,13 @@ def _simulate(layout: WorldLayout, specs: list[ParamSpec], pacing: int = 0) -> N
                 assert c.numel == p.shard_numel * len(c.ranks)
                 for src in c.ranks:
                     assert (c.param_index, src) in held[r], (r, step, c)
-            sent[(r, ex.send_peer)] = [(c.param_index, c.offset, c.numel) for c in flat]
+            sent[(r, ex.send_peer)] = [[(c.param_index, c.offset, c.numel) for c in w] for w in waves]
         for r in range(W):
             ex = plans[r].exchanges[step]
-            chunks = chunks_for_ranks(plans[r].params, ex.recv_ranks)
-            recv = [(c.param_index, c.offset, c.numel) for c in chunks]
-            assert sent[(ex.recv_peer, r)] == recv, (r, step)
+            chunks = [c for w in ex.recv_waves for c in w]
+            assert chunks == chunks_for_ranks(plans[r].params, ex.recv_ranks)
+            recv = [[(c.param_index, c.offset, c.numel) for c in w] for w in ex.recv_waves]
+            assert sent[(ex.recv_peer, r)] == recv, (r, step)  # wave i matches wave i
             for c in chunks:
                 held[r] |= {(c.param_index, src) for src in c.ranks}
     for r in range(W):
@@ -154,7 +156,7 @@ def test_mixed_dtypes_recorded():
 
 def test_pace_chunks_edges():
     chunks = chunks_for_ranks(build_group_plan(_specs(2), WorldLayout(2, 2), 0).params, (1,))
-    assert pace_chunks(chunks, 0) == [chunks]
+    assert pace_chunks(chunks, 0) == [tuple(chunks)]
     assert pace_chunks([], 2) == []
     waves = pace_chunks(chunks, 2)
     assert list(itertools.chain.from_iterable(waves)) == chunks and len(waves) == 3

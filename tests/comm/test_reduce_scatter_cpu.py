@@ -256,8 +256,8 @@ def _numerics_worker(
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("torchtitan_tide.comm.fsdp_patch").addHandler(handler)
-    logging.getLogger("torchtitan_tide.comm.fsdp_patch").setLevel(logging.INFO)
+    logging.getLogger("torchtitan_tide.comm.reduce_scatter").addHandler(handler)
+    logging.getLogger("torchtitan_tide.comm.reduce_scatter").setLevel(logging.INFO)
     grad_dtype = param_dtype or torch.float32
     model = _build(param_dtype, reduce_dtype=reduce_dtype)
     comm.apply(model, "tide", **options)

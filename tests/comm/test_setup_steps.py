@@ -1,6 +1,6 @@
-"""SetupSteps.run's helper thread runs the step on the caller's CUDA device.
+"""SetupSteps.run's helper thread runs the step on the CUDA device the caller names.
 
-A new thread starts on CUDA device 0; on every rank but local rank 0 a symmetric-memory
+A new thread starts on CUDA device 0 (whatever the caller's is); on every rank but local rank 0 a symmetric-memory
 rendezvous or process-group creation run there would use another rank's GPU. CUDA is
 mocked (the set-up's store is not touched: the step succeeds at once).
 """
@@ -21,21 +21,22 @@ def _steps() -> SetupSteps:
     return steps
 
 
-def test_step_runs_on_the_callers_cuda_device(monkeypatch):
-    current = threading.local()
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+def test_step_runs_on_the_named_cuda_device(monkeypatch):
+    current = threading.local()  # CUDA's current device is per thread
     monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(current, "device", 0))
-    monkeypatch.setattr(torch.cuda, "set_device", lambda d: setattr(current, "device", d))
-    current.device = 3  # the caller's (this rank's) device
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: setattr(current, "device", d.index))
+    current.device = 3  # the caller's device: the helper thread does not inherit it
 
-    seen = _steps().run("rendezvous", "node0", [2, 3], lambda: torch.cuda.current_device())
+    rank_device = torch.device("cuda", 3)
+    seen = _steps().run("rendezvous", "node0", [2, 3], torch.cuda.current_device, rank_device)
     assert seen == 3
+    assert _steps().run("rendezvous", "node0", [2, 3], torch.cuda.current_device) == 0
 
 
-def test_step_without_cuda_sets_no_device(monkeypatch):
+def test_step_on_cpu_sets_no_device(monkeypatch):
     calls = []
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    assert _steps().run("new_group", "node0", [0, 1], lambda: "ok", torch.device("cpu")) == "ok"
     assert _steps().run("new_group", "node0", [0, 1], lambda: "ok") == "ok"
     assert calls == []
 

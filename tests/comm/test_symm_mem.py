@@ -32,7 +32,7 @@ from _harness import TinyModel, free_port, spawn
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from torchtitan_tide import comm, launch
+from torchtitan_tide import comm
 from torchtitan_tide.comm import symm_mem
 from torchtitan_tide.comm.fsdp_patch import fsdp_param_groups
 from torchtitan_tide.comm.symm_mem import (
@@ -45,6 +45,7 @@ from torchtitan_tide.comm.symm_mem import (
     group_problems,
     resolve_cta_policy,
 )
+from torchtitan_tide.launch import command, main, world
 
 REPO = Path(__file__).resolve().parents[2]
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
@@ -97,7 +98,7 @@ def comm_types(model: nn.Module) -> list[tuple[str, str, str, bool]]:
 def test_registered_as_a_mode():
     assert "symm_mem" in comm.available_modes()
     assert comm._MODES["symm_mem"] == (symm_mem.apply, symm_mem.remove)
-    assert launch.SYMM_MEM_ENV == symm_mem.ZERO_CTA_ENV == {"NCCL_CTA_POLICY": "2"}
+    assert command.SYMM_MEM_ENV == symm_mem.ZERO_CTA_ENV == {"NCCL_CTA_POLICY": "2"}
 
 
 def test_options():
@@ -393,20 +394,20 @@ def test_launcher_passes_the_cta_policy_to_torchrun(monkeypatch, capsys):
         seen.update(env)
         return 0
 
-    monkeypatch.setattr(launch.subprocess, "call", call)
-    monkeypatch.setattr(launch, "_cuda_device_count", lambda: 2)  # a GPU world (NCCL)
+    monkeypatch.setattr(main.subprocess, "call", call)
+    monkeypatch.setattr(world, "_cuda_device_count", lambda: 2)  # a GPU world (NCCL)
     for key in ("TIDE_DEVICE", "NCCL_CTA_POLICY", "NGPU", "NNODES", "SLURM_NNODES"):
         monkeypatch.delenv(key, raising=False)
-    assert launch.main(["--config", "debug_model", "--tide.comm=symm_mem"]) == 0
+    assert main.main(["--config", "debug_model", "--tide.comm=symm_mem"]) == 0
     assert seen["NCCL_CTA_POLICY"] == "2" and seen["NCCL_NVLS_ENABLE"] == "0"
     seen.clear()
     monkeypatch.setenv("NCCL_CTA_POLICY", "0")
-    assert launch.main(["--config", "llama70b_symm_mem"]) == 0
+    assert main.main(["--config", "llama70b_symm_mem"]) == 0
     assert seen["NCCL_CTA_POLICY"] == "0"
     assert "NCCL_CTA_POLICY=0 from the environment is kept" in capsys.readouterr().err
     seen.clear()
     monkeypatch.delenv("NCCL_CTA_POLICY")
-    assert launch.main(["--config", "llama70b_tide"]) == 0
+    assert main.main(["--config", "llama70b_tide"]) == 0
     assert "NCCL_CTA_POLICY" not in seen
 
 

@@ -14,8 +14,9 @@ dispatching wrappers (every read of FSDP2 internals is in ``fsdp_internals``):
   mesh of ``reshard_after_forward=int``, a custom comm set after install) goes
   to the original function;
 - a reduce of a group marked ``param_group._tide_rs_state`` on the group's
-  reduce-scatter process group goes to TIDE-RS unless its dtypes need FSDP2's
-  path (``reduce_scatter.rs_unsupported_reason``: logged once per group);
+  reduce-scatter process group goes to TIDE-RS (``reduce_scatter.reduce_or_reason``),
+  which runs it or says why it takes FSDP2's path (its dtypes, a custom
+  reduce-scatter set after install: logged once per group and reason);
 - the wrappers are installed once (refcounted per model, :func:`acquire` /
   :func:`release`) and the originals restored when the last model is removed.
   If something else rebinds those names after TIDE, TIDE is bypassed: the first
@@ -42,14 +43,7 @@ from .all_gather import (
     tide_all_gather_copy_out,
 )
 from .fsdp_internals import fsdp_param_groups
-from .reduce_scatter import (
-    TideRSState,
-    check_gradient_sets,
-    rows_per_round,
-    rs_numerics_note,
-    rs_unsupported_reason,
-    tide_reduce,
-)
+from .reduce_scatter import TideReduceResult, TideRSState, reduce_or_reason
 from .transport import clear_global_ranks
 
 __all__ = [
@@ -125,7 +119,7 @@ def _say_other_group_once(param_group, fqn: str) -> None:
 
 def _warn_custom_all_gather(param_group, fqn: str) -> None:
     """A custom all-gather set on a TIDE group after install wins: FSDP2's path, said
-    once (a custom reduce-scatter is one of ``_rs_stock_reason``'s logged reasons)."""
+    once (a custom reduce-scatter is one of ``_custom_comm_reason``'s logged reasons)."""
     if not getattr(param_group, "_tide_custom_comm_logged", False):
         param_group._tide_custom_comm_logged = True
         logger.warning(
@@ -187,41 +181,13 @@ def _rs_state_for(fsdp_params, reduce_scatter_group) -> tuple[TideRSState, objec
     return state, param_group
 
 
-def _rs_stock_reason(
-    state: TideRSState, param_group, fsdp_params, unsharded_grads, a: dict
-) -> tuple[str | None, int]:
-    """``(why this reduce must take FSDP2's path or None, TIDE-RS rows per round)``.
-    Raises when FSDP2's path would mix the two paths' partial sums of HSDP
-    microbatches without all-reduce (TIDE's are divided already, FSDP2's are not:
-    a silent scale error)."""
-    reason, rows = None, 0
-    if getattr(param_group, "_reduce_scatter_comm", None) is not state.fsdp_comm:
-        custom = fsdp_internals.custom_comm_reason(param_group) or "a custom reduce-scatter"
-        reason = f"{custom} set after comm.apply (set_custom_reduce_scatter)"
-    if reason is None:
-        reason = rs_unsupported_reason(
-            unsharded_grads, a["reduce_dtype"], a["orig_dtype"], a["all_reduce_group"],
-            a["all_reduce_hook"],
-        )  # fmt: skip
-    if reason is None:
-        shard_numel = sum(fp._sharded_param_data.numel() for fp in fsdp_params)
-        rows = rows_per_round(state, shard_numel, unsharded_grads[0].element_size())
-        if rows == 0:
-            reason = (
-                f"{shard_numel} x {unsharded_grads[0].dtype} gradients per shard do not fit "
-                "one staging row of the copy-engine slots"
-            )
-    pending = a.get("partial_reduce_output") is not None
-    if reason is not None and pending and state.partial_from_tide:
-        raise RuntimeError(
-            f"TIDE-RS {state.fqn}: this reduce must take FSDP2's path ({reason}) while a "
-            "partial sum of microbatches without all-reduce from TIDE-RS is pending; the two "
-            "paths scale partial sums differently. Change custom comms only right after an "
-            "optimizer step."
-        )
-    if reason is None and pending and not state.partial_from_tide:
-        reason = "a partial sum of microbatches from FSDP2's path is pending (HSDP)"
-    return reason, rows
+def _custom_comm_reason(state: TideRSState, param_group) -> str | None:
+    """Why a reduce of a TIDE-RS group must take FSDP2's path because of the group
+    itself (a custom reduce-scatter set after ``comm.apply``), or None."""
+    if getattr(param_group, "_reduce_scatter_comm", None) is state.fsdp_comm:
+        return None
+    custom = fsdp_internals.custom_comm_reason(param_group) or "a custom reduce-scatter"
+    return f"{custom} set after comm.apply (set_custom_reduce_scatter)"
 
 
 def _say_stock_once(state: TideRSState, reason: str) -> None:
@@ -239,29 +205,15 @@ def _foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, *args, *
             fsdp_params, unsharded_grads, reduce_scatter_group, *args, **kwargs
         )
         call.apply_defaults()
-        a = call.arguments
-        reason, rows = _rs_stock_reason(state, param_group, fsdp_params, unsharded_grads, a)
-        if reason is None:
-            check_gradient_sets(state, param_group, fsdp_params)
-            if state.calls == 0 and (note := rs_numerics_note(
-                unsharded_grads, a["reduce_dtype"], a["orig_dtype"]
-            )):  # fmt: skip
-                logger.info("TIDE-RS %s: %s", state.fqn, note)
-            device = a["device"]
-            result = tide_reduce(
-                state, fsdp_params, unsharded_grads, a["reduce_scatter_stream"],
-                a["orig_dtype"], device, a["gradient_divide_factor"],
-                rows=rows,
-                all_reduce_group=a["all_reduce_group"],
-                all_reduce_stream=a["all_reduce_stream"],
-                all_reduce_grads=a["all_reduce_grads"],
-                partial_reduce_output=a["partial_reduce_output"],
-            )  # fmt: skip
-            state.partial_from_tide = result.partial_reduce_output is not None
+        custom_comm = _custom_comm_reason(state, param_group)
+        result = reduce_or_reason(
+            state, param_group, fsdp_params, unsharded_grads, call.arguments, custom_comm
+        )
+        if isinstance(result, TideReduceResult):
             if fsdp_internals.REDUCE_RETURNS_STREAM:
                 return tuple(result)
             return (result[0], result[1], *result[3:])
-        _say_stock_once(state, reason)
+        _say_stock_once(state, result)
     return _originals["foreach_reduce"](
         fsdp_params, unsharded_grads, reduce_scatter_group, *args, **kwargs
     )

@@ -204,9 +204,10 @@ def _settle_transports(cands: list[_Candidate], gathered: dict[int, list[dict]])
 
 
 def _build_plans(
-    cands: list[_Candidate], decisions: list[str], fqns: dict[int, str]
+    cands: list[_Candidate], decisions: list[str], fqns: dict[int, str], pacing: int
 ) -> list[_Candidate]:
-    """Plan every candidate with a transport (local); ``fqns``: parameter names."""
+    """Plan every candidate with a transport (local); ``fqns``: parameter names;
+    ``pacing``: the most point-to-point chunks per wave (``TideOptions.pacing``)."""
     taken = []
     for c in cands:
         if c.kind is None:
@@ -223,7 +224,8 @@ def _build_plans(
         ]
         assert c.layout is not None
         c.plan = build_group_plan(
-            specs, c.layout, c.group.rank(), pull_local=c.kind == "copy_engine"
+            specs, c.layout, c.group.rank(), pull_local=c.kind == "copy_engine",
+            pacing=pacing,
         )
         if not c.plan.uses_tide:
             decisions.append(f"{c.fqn}: FSDP2 path ({c.plan.fallback_reason})")
@@ -310,6 +312,7 @@ def _connect_slots(
         node_group = steps.run(
             "node-local group", scope, peers,
             lambda p=p, g=global_ranks: _node_local_group(p, g, options.install_timeout_s),
+            p.device,
         )  # fmt: skip
         if node_group is not p.group:
             ctx.node_groups.append(node_group)
@@ -319,13 +322,11 @@ def _connect_slots(
                 return steps.exchange(f"{what} slot details", scope, peers, value)
 
             def rendezvous() -> SymmSlots:
-                on_device = torch.cuda.device(p.device) if p.device.type == "cuda" else None
-                with on_device or contextlib.nullcontext():  # the helper thread's device
-                    return SymmSlots.connect(
-                        buffer, group, p.device, options.slot_barrier, exchange
-                    )
+                return SymmSlots.connect(buffer, group, p.device, options.slot_barrier, exchange)
 
-            return steps.run(f"{what} symmetric-memory rendezvous", scope, peers, rendezvous)
+            return steps.run(
+                f"{what} symmetric-memory rendezvous", scope, peers, rendezvous, p.device
+            )
 
         ag_slots[key] = connect(p.ag_buffer, "TIDE-AG")
         ctx.slots.append(ag_slots[key])
@@ -382,11 +383,14 @@ def _one_sided_wanted(
 
 
 class _SoftSteps:
-    """One group's one-sided set-up steps: each a bounded collective (``SetupSteps``)
-    whose NCCL error is an outcome every rank learns (one exchange), not a failure."""
+    """One group's one-sided set-up steps: each a bounded collective (``SetupSteps``,
+    run on the group's ``device``) whose NCCL error is an outcome every rank learns (one
+    exchange), not a failure."""
 
-    def __init__(self, steps: SetupSteps, scope: str, peers: list[int]) -> None:
-        self.steps, self.scope, self.peers = steps, scope, peers
+    def __init__(
+        self, steps: SetupSteps, scope: str, peers: list[int], device: torch.device
+    ) -> None:
+        self.steps, self.scope, self.peers, self.device = steps, scope, peers, device
 
     def exchange(self, what: str, value: object) -> list:
         return self.steps.exchange(what, self.scope, self.peers, value)
@@ -400,7 +404,7 @@ class _SoftSteps:
             except nccl_rma.NcclError as e:
                 return None, str(e)
 
-        value, error = self.steps.run(what, self.scope, self.peers, soft)
+        value, error = self.steps.run(what, self.scope, self.peers, soft, self.device)
         bad = [(r, e) for r, e in enumerate(self.exchange(f"{what} outcome", error)) if e]
         return value, "; ".join(f"group rank {r}: {e}" for r, e in bad) or None
 
@@ -481,7 +485,8 @@ def _connect_one_sided(
         if failure is None:
             steps = steps or SetupSteps(install_seq, options.install_timeout_s)
             peers = list(group_global_ranks(c.group))
-            soft = _SoftSteps(steps, f"onesided{k}/{zlib.crc32(repr(peers).encode()):08x}", peers)
+            scope = f"onesided{k}/{zlib.crc32(repr(peers).encode()):08x}"
+            soft = _SoftSteps(steps, scope, peers, c.device)
             ids = soft.exchange("one-sided unique ids", [
                 nccl_rma.new_unique_id() for _ in sides] if c.group.rank() == 0 else None)[0]  # fmt: skip
             for (side, nbytes), uid in zip(sides, ids):
@@ -536,7 +541,7 @@ def _mark_groups(
         transport: AllGatherTransport
         if key not in p2p_by_key and c.kind != "copy_engine":
             p2p_by_key[key] = P2PTransport(
-                "nccl_p2p" if c.device.type == "cuda" else "gloo", options.pacing
+                "nccl_p2p" if c.device.type == "cuda" else "gloo", c.device
             )
         if c.kind == "copy_engine":
             transport = CopyEngineTransport(ag_slots[key])
@@ -668,7 +673,7 @@ def install(model: nn.Module, options: TideOptions) -> None:
         # Local work that can fail alone (plans, symmetric buffers) before any rendezvous.
         error, taken, pending = None, [], {}
         try:
-            taken = _build_plans(cands, decisions, fsdp_internals.param_fqns(model))
+            taken = _build_plans(cands, decisions, fsdp_internals.param_fqns(model), options.pacing)
             pending = _allocate_slots(taken, options)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             error = _error_text(e)

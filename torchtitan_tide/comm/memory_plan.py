@@ -1,8 +1,8 @@
 """Memory plan: bytes of all-gather (AG) and reduce-scatter (RS) buffers per comm mode.
 
 Pure Python (integer arithmetic on parameter shapes), so it answers for any GPU count
-without GPUs. ``python -m torchtitan_tide.plan`` builds the groups of a training TOML and
-prints this plan; ``torchtitan_tide.simulator`` shares its groups (``GroupShape``). The
+without GPUs. ``python -m torchtitan_tide.memory_report`` prints this plan for the groups of a
+training TOML (``torchtitan_tide/fsdp_groups.py``); ``torchtitan_tide.simulator`` shares its groups (``GroupShape``). The
 TIDE sizes follow what ``comm.install`` allocates (slots through the shared
 :func:`slot_sizes`, staging, RSBuffers).
 

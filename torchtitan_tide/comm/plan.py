@@ -40,6 +40,7 @@ shards, so a step moves ``2**k`` chunks of one shard each per parameter.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -49,11 +50,14 @@ __all__ = [
     "PackedEntry",
     "ParamPlan",
     "ParamSpec",
+    "RSChunk",
+    "RSPlan",
     "RSRound",
     "RSSegment",
     "RSSlice",
     "WorldLayout",
     "build_group_plan",
+    "build_rs_plan",
     "chunks_for_ranks",
     "cross_node_exchanges",
     "node_local_exchanges",
@@ -156,7 +160,9 @@ class Exchange:
     """One point-to-point step for one rank: send the shards of ``send_ranks``
     to ``send_peer`` and receive the shards of ``recv_ranks`` from
     ``recv_peer`` (peers are group ranks; ``send_peer == recv_peer`` for
-    recursive doubling)."""
+    recursive doubling). ``send_waves`` / ``recv_waves``: the messages, the
+    :func:`chunks_for_ranks` of ``send_ranks`` / ``recv_ranks`` in waves of at most
+    ``pacing`` chunks (:func:`pace_chunks`; filled by :func:`build_group_plan`)."""
 
     phase: str  # "cross_node" | "node_local"
     step: int
@@ -164,6 +170,8 @@ class Exchange:
     send_ranks: tuple[int, ...]
     recv_peer: int
     recv_ranks: tuple[int, ...]
+    send_waves: tuple[tuple[Chunk, ...], ...] = ()
+    recv_waves: tuple[tuple[Chunk, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -280,25 +288,32 @@ def chunks_for_ranks(params: tuple[ParamPlan, ...], ranks: tuple[int, ...]) -> l
     return chunks
 
 
-def pace_chunks(chunks: list[Chunk], pacing: int) -> list[list[Chunk]]:
+def pace_chunks(chunks: list[Chunk], pacing: int) -> list[tuple[Chunk, ...]]:
     """Split one step's chunks into waves of at most ``pacing`` chunks
     (``pacing <= 0``: one wave). Both sides of an exchange compute the same
     waves from the same plan, so wave ``i`` of the sender matches wave ``i`` of
     the receiver."""
     if pacing <= 0 or len(chunks) <= pacing:
-        return [chunks] if chunks else []
-    return [chunks[i : i + pacing] for i in range(0, len(chunks), pacing)]
+        return [tuple(chunks)] if chunks else []
+    return [tuple(chunks[i : i + pacing]) for i in range(0, len(chunks), pacing)]
 
 
 def build_group_plan(
-    specs: list[ParamSpec], layout: WorldLayout, rank: int, *, pull_local: bool = False
+    specs: list[ParamSpec],
+    layout: WorldLayout,
+    rank: int,
+    *,
+    pull_local: bool = False,
+    pacing: int = 0,
 ) -> GroupPlan:
     """Plan one FSDP group for ``rank``.
 
     Any unsupported parameter makes the whole group fall back (FSDP2 gathers a
     group in one collective; splitting a group between two paths would need two
     results per unshard). ``pull_local=True`` leaves the node-local phase to a
-    pull-based transport (no node-local exchanges in the plan).
+    pull-based transport (no node-local exchanges in the plan). Every exchange
+    carries its messages in waves of at most ``pacing`` chunks (``[tide]
+    ag_pacing``; 0: one wave), so the transport only posts them.
     """
     if not 0 <= rank < layout.world_size:
         raise ValueError(f"rank {rank} outside world of {layout.world_size}")
@@ -320,6 +335,14 @@ def build_group_plan(
     exchanges = cross_node_exchanges(layout, rank)
     if not pull_local:
         exchanges += node_local_exchanges(layout, rank)
+    exchanges = [
+        dataclasses.replace(
+            ex,
+            send_waves=tuple(pace_chunks(chunks_for_ranks(params, ex.send_ranks), pacing)),
+            recv_waves=tuple(pace_chunks(chunks_for_ranks(params, ex.recv_ranks), pacing)),
+        )
+        for ex in exchanges
+    ]
     return GroupPlan(
         rank=rank,
         layout=layout,
@@ -488,3 +511,51 @@ def rs_cross_node_peers(layout: WorldLayout, rank: int, chunk_node: int) -> tupl
     if step == 0:
         raise ValueError("the own node's chunk has no cross-node step")
     return layout.rank_of(chunk_node, local), layout.rank_of((node - step) % num_nodes, local)
+
+
+@dataclass(frozen=True)
+class RSChunk:
+    """One chunk of a TIDE-RS reduce as one rank runs it: the ranks of node
+    ``chunk_node`` own it; its node-local ``rounds`` (:func:`rs_schedule`) with the
+    slices this rank pushes in each (``pushes[i]``: :func:`rs_push_slices` of
+    ``rounds[i]``); for another node's chunk the cross-node ``(send_peer,
+    recv_peer)`` (:func:`rs_cross_node_peers`; None for the own node's chunk)."""
+
+    chunk_node: int
+    rounds: tuple[RSRound, ...]
+    pushes: tuple[tuple[RSSlice, ...], ...]
+    cross_peers: tuple[int, int] | None
+
+
+@dataclass(frozen=True)
+class RSPlan:
+    """A TIDE-RS reduce of one gradient shape as ``rank`` runs it, every message
+    decided: the gradients' ``segments``, the flat fp32 ``shard_numel``, and the
+    ``chunks`` in the order the rank reduces them."""
+
+    segments: tuple[RSSegment, ...]
+    shard_numel: int
+    chunks: tuple[RSChunk, ...]
+
+
+def build_rs_plan(
+    layout: WorldLayout, rank: int, rows: int, numels: list[int], shard_numels: list[int]
+) -> RSPlan:
+    """The :class:`RSPlan` of ``rank`` for gradients of ``numels`` elements (padded
+    shards ``shard_numels``) with ``rows`` source rows per round (pure: the caller
+    caches it per shape)."""
+    segments, shard_numel = rs_segments(numels, shard_numels)
+    by_node: dict[int, list[RSRound]] = {}
+    for rnd in rs_schedule(layout, rank, rows):
+        by_node.setdefault(rnd.chunk_node, []).append(rnd)
+    node = layout.node_of(rank)
+    chunks = tuple(
+        RSChunk(
+            chunk_node=m,
+            rounds=tuple(rounds),
+            pushes=tuple(tuple(rs_push_slices(layout, rnd, segments)) for rnd in rounds),
+            cross_peers=None if m == node else rs_cross_node_peers(layout, rank, m),
+        )
+        for m, rounds in by_node.items()
+    )
+    return RSPlan(segments, shard_numel, chunks)

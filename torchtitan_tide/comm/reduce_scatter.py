@@ -2,7 +2,8 @@
 
 Replaces, for TIDE groups only, FSDP2's ``foreach_reduce`` (``chunk_cat`` of
 every gradient into a flat full-group fp32 buffer, then one NCCL
-reduce-scatter); ``fsdp_patch`` dispatches to :func:`tide_reduce`.
+reduce-scatter); ``fsdp_patch`` dispatches to :func:`reduce_or_reason`, which
+decides whether TIDE-RS can take the reduce and runs :func:`tide_reduce`.
 
 Phase 1, node-local (``plan.rs_schedule``): every rank pushes its slices of
 its gradients, read where autograd left them, into local peers' staging rows
@@ -48,7 +49,7 @@ import torch.distributed as dist
 
 from . import kernels, streams, watchdog
 from .options import RS_WIRE_DTYPES
-from .plan import RSRound, WorldLayout, rs_cross_node_peers, rs_schedule, rs_segments
+from .plan import RSChunk, RSPlan, WorldLayout, build_rs_plan
 from .transport import ReduceScatterTransport, global_rank
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "TideRSState",
     "TideReduceResult",
     "check_gradient_sets",
+    "reduce_or_reason",
     "round_to_wire",
     "rows_per_round",
     "rs_numerics_note",
@@ -184,17 +186,15 @@ class TideRSState:
     partial_from_tide: bool = False
     # The RS plan, built on the first reduce of each shape and reused (pure functions
     # of layout, rank, rows and the gradients' numels; host time on every backward).
-    plans: dict[tuple, tuple] = field(default_factory=dict)
+    plans: dict[tuple, RSPlan] = field(default_factory=dict)
 
-    def plan_for(self, numels: tuple[int, ...], shard_numels: tuple[int, ...], rows: int):
-        """``(segments, shard_numel, rounds by chunk node)`` of one reduce."""
+    def plan_for(self, numels: tuple[int, ...], shard_numels: tuple[int, ...], rows: int) -> RSPlan:
+        """The :class:`RSPlan` of one reduce (``plan.build_rs_plan``, cached per shape)."""
         key = (numels, shard_numels, rows)
         if (cached := self.plans.get(key)) is None:
-            segments, shard_numel = rs_segments(list(numels), list(shard_numels))
-            chunk_rounds: dict[int, list[RSRound]] = {}
-            for rnd in rs_schedule(self.layout, self.rank, rows):
-                chunk_rounds.setdefault(rnd.chunk_node, []).append(rnd)
-            cached = self.plans[key] = (segments, shard_numel, chunk_rounds)
+            cached = self.plans[key] = build_rs_plan(
+                self.layout, self.rank, rows, list(numels), list(shard_numels)
+            )
         return cached
 
 
@@ -324,6 +324,79 @@ def rows_per_round(state: TideRSState, shard_numel: int, itemsize: int) -> int:
     return min(rows, capacity // (shard_numel * itemsize))
 
 
+def stock_reason(
+    state: TideRSState, fsdp_params: list, unsharded_grads: list[torch.Tensor], call: dict,
+    custom_comm: str | None = None,
+) -> tuple[str | None, int]:
+    """``(why this reduce must take FSDP2's path or None, TIDE-RS rows per round)``
+    for FSDP2's ``foreach_reduce`` arguments ``call``; ``custom_comm``: the
+    dispatcher's reason (a custom reduce-scatter set after ``comm.apply``).
+
+    Raises:
+        RuntimeError: FSDP2's path would mix the two paths' partial sums of HSDP
+            microbatches without all-reduce (TIDE's are divided already, FSDP2's
+            are not: a silent scale error).
+    """
+    reason, rows = custom_comm, 0
+    if reason is None:
+        reason = rs_unsupported_reason(
+            unsharded_grads, call["reduce_dtype"], call["orig_dtype"], call["all_reduce_group"],
+            call["all_reduce_hook"],
+        )  # fmt: skip
+    if reason is None:
+        shard_numel = sum(fp._sharded_param_data.numel() for fp in fsdp_params)
+        rows = rows_per_round(state, shard_numel, unsharded_grads[0].element_size())
+        if rows == 0:
+            reason = (
+                f"{shard_numel} x {unsharded_grads[0].dtype} gradients per shard do not fit "
+                "one staging row of the copy-engine slots"
+            )
+    pending = call.get("partial_reduce_output") is not None
+    if reason is not None and pending and state.partial_from_tide:
+        raise RuntimeError(
+            f"TIDE-RS {state.fqn}: this reduce must take FSDP2's path ({reason}) while a "
+            "partial sum of microbatches without all-reduce from TIDE-RS is pending; the two "
+            "paths scale partial sums differently. Change custom comms only right after an "
+            "optimizer step."
+        )
+    if reason is None and pending and not state.partial_from_tide:
+        reason = "a partial sum of microbatches from FSDP2's path is pending (HSDP)"
+    return reason, rows
+
+
+def reduce_or_reason(
+    state: TideRSState,
+    param_group,
+    fsdp_params: list,
+    unsharded_grads: list[torch.Tensor],
+    call: dict,
+    custom_comm: str | None = None,
+) -> TideReduceResult | str:
+    """One FSDP2 ``foreach_reduce`` of a TIDE-RS group (``call``: its bound
+    arguments, defaults applied): reduced by :func:`tide_reduce`, or the reason it
+    must take FSDP2's path (:func:`stock_reason`; nothing was reduced then).
+    Collective on the TIDE path (:func:`check_gradient_sets`)."""
+    reason, rows = stock_reason(state, fsdp_params, unsharded_grads, call, custom_comm)
+    if reason is not None:
+        return reason
+    check_gradient_sets(state, param_group, fsdp_params)
+    if state.calls == 0 and (note := rs_numerics_note(
+        unsharded_grads, call["reduce_dtype"], call["orig_dtype"]
+    )):  # fmt: skip
+        logger.info("TIDE-RS %s: %s", state.fqn, note)
+    result = tide_reduce(
+        state, fsdp_params, unsharded_grads, call["reduce_scatter_stream"],
+        call["orig_dtype"], call["device"], call["gradient_divide_factor"],
+        rows=rows,
+        all_reduce_group=call["all_reduce_group"],
+        all_reduce_stream=call["all_reduce_stream"],
+        all_reduce_grads=call["all_reduce_grads"],
+        partial_reduce_output=call["partial_reduce_output"],
+    )  # fmt: skip
+    state.partial_from_tide = result.partial_reduce_output is not None
+    return result
+
+
 def _accumulate_phase1(
     rows: torch.Tensor, target: torch.Tensor, first: bool, divisor: float, ctas: int
 ) -> None:
@@ -365,17 +438,20 @@ def _cross_node_step(
     state: TideRSState,
     partial: torch.Tensor,
     partial_slot: int,
-    chunk_node: int,
+    chunk: RSChunk,
     out: torch.Tensor,
     divisor: float,
     cross: torch.Stream | None,
 ) -> None:
-    """Phase 2 for one chunk: send ``partial`` (fp32) to its owner in the wire
-    dtype (:func:`round_to_wire`), add the partial received for this rank (wire
-    dtype) into ``out`` in fp32 (divided by ``divisor`` when it is the last
-    addition). CUDA: on ``cross``, after phase 1 of this chunk."""
+    """Phase 2 for ``chunk`` (another node's): send ``partial`` (fp32) to its owner
+    in the wire dtype (:func:`round_to_wire`), add the partial received for this rank
+    (wire dtype) into ``out`` in fp32 (divided by ``divisor`` when it is the last
+    addition); the peers are the plan's (``chunk.cross_peers``). CUDA: on ``cross``,
+    after phase 1 of this chunk."""
     layout, rank, group = state.layout, state.rank, state.group
-    send_peer, recv_peer = rs_cross_node_peers(layout, rank, chunk_node)
+    assert chunk.cross_peers is not None, "the own node's chunk has no cross-node step"
+    send_peer, recv_peer = chunk.cross_peers
+    chunk_node = chunk.chunk_node
     device = out.device
     if cross is not None:
         cross.wait_stream(torch.cuda.current_stream(device))
@@ -433,11 +509,12 @@ def tide_reduce(
     grads = [
         g.reshape(-1) if g.is_contiguous() else g.contiguous().view(-1) for g in unsharded_grads
     ]
-    segments, shard_numel, chunk_rounds = state.plan_for(
+    plan = state.plan_for(
         tuple(g.numel() for g in grads),
         tuple(fp._sharded_param_data.numel() for fp in fsdp_params),
         rows,
     )
+    segments, shard_numel = plan.segments, plan.shard_numel
     final_divisor = _divide_factor(state.group, gradient_divide_factor, all_reduce_group)
     cuda = device.type == "cuda"
     if cuda:
@@ -465,25 +542,24 @@ def tide_reduce(
 
     with _stream_ctx(comm):
         out = _poisoned(torch.empty(shard_numel, dtype=torch.float32, device=device))
-        for chunk_node, chunk in chunk_rounds.items():
-            own = chunk_node == node
+        for chunk in plan.chunks:
+            own = chunk.cross_peers is None
             slot = -1
             if own:
                 target = out
             else:
                 slot, target = state.buffers.take_partial(shard_numel, device)
-            for rnd in chunk:
+            for rnd, pushes in zip(chunk.rounds, chunk.pushes):
                 staged = state.transport.exchange_rows(
-                    layout, rank, rnd, grads, segments, shard_numel, state.group
+                    layout, rank, rnd, pushes, grads, segments, shard_numel, state.group
                 )
                 divisor = final_divisor if (own and num_nodes == 1 and rnd.last) else 1.0
                 _accumulate_phase1(staged, target, rnd.first, divisor, state.ctas)
-            if not own:
-                is_last = chunk_node == (node + num_nodes - 1) % num_nodes
+            if chunk.cross_peers is not None:
+                is_last = chunk.chunk_node == (node + num_nodes - 1) % num_nodes
                 _cross_node_step(
-                    state, target, slot, chunk_node, out,
-                    final_divisor if is_last else 1.0, cross,
-                )  # fmt: skip
+                    state, target, slot, chunk, out, final_divisor if is_last else 1.0, cross
+                )
         reduce_scatter_event = _record(comm, reduce_scatter_stream)
     del grads  # the gradients' memory returns to the allocator after phase 1 (record_stream)
     post_stream = cross if cross is not None else comm

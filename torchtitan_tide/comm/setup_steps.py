@@ -7,7 +7,8 @@ blocked inside it until a store or process-group timeout (minutes). Here every s
 runs through :class:`SetupSteps` (one per install, the same sequence on every rank):
 
 - :meth:`SetupSteps.run` runs a blocking collective (``dist.new_group``,
-  ``symm_mem.rendezvous``) in a helper thread while the caller watches the default
+  ``symm_mem.rendezvous``) in a helper thread, on the device the caller names (the one
+  place that sets install's set-up device), while the caller watches the default
   store: the step returns its result, or raises this rank's own exception after
   writing it to the store for the peers, or :class:`SetupFailed` as soon as a peer
   wrote one, or :class:`SetupFailed` after ``[tide] install_timeout_s`` without either
@@ -90,22 +91,28 @@ class SetupSteps:
             return None
         return self.store.get(key).decode()
 
-    def run(self, step: str, scope: str, peers: Sequence[int], fn: Callable[[], T]) -> T:
+    def run(
+        self,
+        step: str,
+        scope: str,
+        peers: Sequence[int],
+        fn: Callable[[], T],
+        device: torch.device | None = None,
+    ) -> T:
         """``fn()`` (a collective over the global ranks ``peers``), bounded (module
-        docstring).
+        docstring). ``fn`` runs in a helper thread, which starts on CUDA device 0: a CUDA
+        ``device`` (this rank's, where the step's buffers and communicators live) is made
+        current there first; None or a CPU device sets none.
 
         Raises:
             SetupFailed: a peer reported a failure, or the step outlived the bound.
             Exception: ``fn``'s own, after reporting it to the peers.
         """
         result: dict[str, object] = {}
-        # A new thread starts on CUDA device 0; the step (a symmetric-memory rendezvous,
-        # a process group's creation) must run on this rank's device.
-        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
         def target() -> None:
             try:
-                if device is not None:
+                if device is not None and device.type == "cuda":
                     torch.cuda.set_device(device)
                 result["value"] = fn()
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread

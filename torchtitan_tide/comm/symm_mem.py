@@ -78,7 +78,7 @@ logger = logging.getLogger(__name__)
 
 CTA_POLICY_VAR = "NCCL_CTA_POLICY"
 CTA_POLICY_ZERO = "2"
-# What the launcher and the train entry set before any process group exists (launch.py keeps
+# What the launcher and the train entry set before any process group exists (launch/command.py keeps
 # an equal copy so it need not import torch.distributed; a test checks they agree).
 ZERO_CTA_ENV = {CTA_POLICY_VAR: CTA_POLICY_ZERO}
 IMPLEMENTATIONS = ("auto", "native", "custom")

@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rs_wire_bytes=WIRE_BYTES[args.rs_wire] if args.rs_wire else None,
             cross_node=args.cross_node,
         )  # fmt: skip
-    except (ValueError, FileNotFoundError) as exc:  # SimulateError, ClusterError, PlanError
+    except (ValueError, FileNotFoundError) as exc:  # SimulateError, ClusterError, FsdpGroupsError
         parser.error(str(exc))
     rows = result["rows"]
     print(f"Simulated step (a SIMULATION, not a measurement): {args.config} at {args.gpus} GPUs "

@@ -243,8 +243,8 @@ def accumulate_rate(results_dir: Path) -> tuple[float, float, str]:
 
 @functools.lru_cache(maxsize=8)
 def measured_groups(config: str) -> tuple[GroupShape, ...]:
-    """The FSDP groups of a measured config (the planner's model of it)."""
-    from torchtitan_tide.plan import load_config_model
+    """The FSDP groups of a measured config (``fsdp_groups.load_config_model``)."""
+    from torchtitan_tide.fsdp_groups import load_config_model
 
     return tuple(load_config_model(config).groups)
 
@@ -487,7 +487,7 @@ def build_inputs(
     mfu: float,
     world1: bool = False,
 ) -> Inputs:
-    """The inputs of ``cm`` (a ``plan.ConfigModel``) from the committed results.
+    """The inputs of ``cm`` (a ``fsdp_groups.ConfigModel``) from the committed results.
     ``world1``: what the one-GPU trainer runs (no FSDP: fp32 weights under autocast):
     the world-1 trace when one exists (else the bf16-parameter trace, said in
     ``sources["compute"]``) and the full model's optimizer."""
@@ -511,7 +511,7 @@ def build_inputs(
         trace = None
     if trace is not None:
         from torchtitan_tide.config import load_toml
-        from torchtitan_tide.launch import resolve_config
+        from torchtitan_tide.launch.command_line import resolve_config
 
         traced = load_toml(str(resolve_config(trace["config"])))
         traced_tokens = tokens_per_gpu(traced, cm.model_args)

@@ -125,7 +125,8 @@ def _residual(config, mode, gpus, sim_row, measured, source, sources) -> dict[st
 def reference_rows(results_dir: Path, cluster: Cluster) -> tuple[list[dict], dict]:
     """The nine reference configs at 8-64 GPUs, each in the mode its TOML selects (the
     ``*_tide`` configs also as tide_ag); speed-up vs the same model's fsdp2 config."""
-    from torchtitan_tide.plan import load_config_model, selected_mode
+    from torchtitan_tide.fsdp_groups import load_config_model
+    from torchtitan_tide.memory_report import selected_mode
 
     rows, inputs = [], {}
     fsdp2_step: dict[tuple[str, int], float] = {}
@@ -152,7 +153,7 @@ def baseline_rows(results_dir: Path, cluster: Cluster, gpus: int = 64) -> list[d
     """Per model at ``gpus``: fsdp2, symm_mem on NCCL 2.28.9 and on NCCL >= 2.31, tide
     (today's transport, and the modeled bf16-wire / one-sided options); tide's step-time
     reduction and speed-up against fsdp2 and against the stronger symm_mem."""
-    from torchtitan_tide.plan import load_config_model
+    from torchtitan_tide.fsdp_groups import load_config_model
 
     out: list[dict[str, Any]] = []
     cms: dict[str, Any] = {}
@@ -219,7 +220,7 @@ def sensitivity_rows(results_dir: Path, cluster: Cluster) -> list[dict[str, Any]
     """Llama-3.1-70B and Qwen3-30B-A3B at 64 GPUs: NIC Gb/s per GPU, GPUs per node, the
     NCCL generation, collectives not slowed by compute (what the measured factor, taken
     at 2 GPUs over NVLink, contributes at 64), and symm_mem with NCCL's ring RS."""
-    from torchtitan_tide.plan import load_config_model
+    from torchtitan_tide.fsdp_groups import load_config_model
 
     rows = []
     variants = [

@@ -336,14 +336,14 @@ def simulate_step(
 
 
 def layout_for(cm: Any, gpus: int, cluster: Cluster) -> Layout:
-    """FSDP shard degree and ranks per node of ``gpus`` (the planner's ``world_for``)."""
+    """FSDP shard degree and ranks per node of ``gpus`` (``fsdp_groups.world_for``)."""
     if gpus == 1:
         return Layout(1, 1)
-    from torchtitan_tide.plan import PlanError, world_for
+    from torchtitan_tide.fsdp_groups import FsdpGroupsError, world_for
 
     try:
         world = world_for(cm.table, gpus, cluster.gpus_per_node, where=cm.path.name)
-    except PlanError as exc:
+    except FsdpGroupsError as exc:
         raise SimulateError(str(exc)) from None
     return Layout(world.shard_degree, world.local)
 
@@ -364,7 +364,7 @@ def simulate_config(
     """Rows (one per mode), spans per mode, the inputs and the config model of ``config``
     at ``gpus``. Each row carries what the report needs: the cluster's NCCL, the TIDE
     options and every input's source (``sources``)."""
-    from torchtitan_tide.plan import load_config_model
+    from torchtitan_tide.fsdp_groups import load_config_model
 
     cm = cm or load_config_model(config)
     inputs = inputs or build_inputs(cm, results_dir, trace, mfu, world1=gpus == 1)

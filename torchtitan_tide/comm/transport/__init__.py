@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from ..plan import GroupPlan, RSRound, RSSegment, WorldLayout
+from ..plan import GroupPlan, RSRound, RSSegment, RSSlice, WorldLayout
 
 __all__ = [
     "AllGatherTransport", "ReduceScatterTransport", "clear_global_ranks", "global_rank",
@@ -71,8 +71,8 @@ class AllGatherTransport(Protocol):
 
 
 class ReduceScatterTransport(Protocol):
-    """Node-local phase of TIDE-RS: ``exchange_rows`` moves this rank's pushes of
-    one round (``plan.rs_push_slices``) and returns its received rows
+    """Node-local phase of TIDE-RS: ``exchange_rows`` moves this rank's ``pushes`` of
+    one round (decided by the plan: ``plan.RSChunk.pushes``) and returns its received rows
     ``[len(rnd.recvs), row_numel]`` in the gradients' dtype, complete on the
     current stream (CUDA) or the host (gloo). Implemented by the copy-engine and
     point-to-point transports."""
@@ -82,6 +82,7 @@ class ReduceScatterTransport(Protocol):
         layout: WorldLayout,
         rank: int,
         rnd: RSRound,
+        pushes: tuple[RSSlice, ...],
         grads: list[torch.Tensor],
         segments: tuple[RSSegment, ...],
         row_numel: int,

@@ -66,7 +66,6 @@ from ..plan import (
     RSSlice,
     WorldLayout,
     packed_entry,
-    rs_push_slices,
 )
 from . import global_rank
 
@@ -436,7 +435,8 @@ class CopyEngineTransport:
         outputs: list[torch.Tensor],
         group: dist.ProcessGroup,
     ) -> dist.Work | None:
-        slots, layout = self.slots, plan.layout
+        slots = self.slots
+        layout = plan.layout
         num_nodes, lws = layout.num_nodes, layout.local_world_size
         base = (slots.round % 2) * slots.slot_bytes
         slots.round += 1
@@ -507,13 +507,14 @@ class CopyEngineTransport:
         layout: WorldLayout,
         rank: int,
         rnd: RSRound,
+        pushes: tuple[RSSlice, ...],
         grads: list[torch.Tensor],
         segments: tuple[RSSegment, ...],
         row_numel: int,
         group: dist.ProcessGroup,
     ) -> torch.Tensor:
         """One node-local TIDE-RS round (``plan.rs_schedule``): push this rank's
-        gradient slices straight from ``grads`` (flat, where autograd left
+        gradient slices (``pushes``, from the plan) straight from ``grads`` (flat, where autograd left
         them) into the local peers' staging rows, in ONE batch of copy-engine
         copies, then the node-local barrier. Returns this rank's received rows
         ``[len(rnd.recvs), row_numel]`` (a view of its slot; valid until the
@@ -523,6 +524,7 @@ class CopyEngineTransport:
         the slots are shared): the barrier of round r proves every local peer
         finished reading slot ``(r - 1) % 2``, and pushes of round r land in
         slot ``r % 2``, which no peer reads before the barrier of round r."""
+        del layout, rank, segments  # the plan's pushes say where every slice goes
         del group  # node-local only: the slots' handle does the synchronization
         slots = self.slots
         dtype, itemsize = grads[0].dtype, grads[0].element_size()
@@ -535,7 +537,6 @@ class CopyEngineTransport:
         base = (slots.round % 2) * slots.slot_bytes
         slots.round += 1
         device = grads[0].device
-        pushes = rs_push_slices(layout, rnd, segments)
 
         def dst_byte(push: RSSlice) -> int:  # byte offset in the peer's buffer
             return base + (push.row * row_numel + push.dst_offset) * itemsize

@@ -18,16 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import watchdog
-from ..plan import (
-    Chunk,
-    GroupPlan,
-    RSRound,
-    RSSegment,
-    WorldLayout,
-    chunks_for_ranks,
-    pace_chunks,
-    rs_push_slices,
-)
+from ..plan import Chunk, GroupPlan, RSRound, RSSegment, RSSlice, WorldLayout
 from . import global_rank
 
 __all__ = ["P2PTransport"]
@@ -38,15 +29,16 @@ def _byte_view(storage: torch.Tensor, chunk: Chunk) -> torch.Tensor:
 
 
 class P2PTransport:
-    """Paced point-to-point exchange. ``pacing``: see ``TideOptions.pacing``.
+    """Point-to-point exchange of the plan's waves (paced by the plan:
+    ``build_group_plan(pacing=...)``, ``TideOptions.pacing``).
 
-    One instance per (process group, device), shared by its FSDP groups: it
+    One instance per (process group, ``device``), shared by its FSDP groups: it
     owns the TIDE-RS receive staging (``rows`` x the largest row, grown on
     first use, reused by every round: rounds are ordered on one stream)."""
 
-    def __init__(self, name: str, pacing: int = 0) -> None:
+    def __init__(self, name: str, device: torch.device) -> None:
         self.name = name
-        self.pacing = pacing
+        self.device = device
         self.staging: torch.Tensor | None = None  # uint8, TIDE-RS rows
         self.sent_bytes = 0  # all-gather bytes this rank posted to peers (benchmarks read it)
 
@@ -59,8 +51,7 @@ class P2PTransport:
     ) -> dist.Work | None:
         del inputs  # sends read the already-written slots of ``outputs``
         for ex in plan.exchanges:
-            send_waves = pace_chunks(chunks_for_ranks(plan.params, ex.send_ranks), self.pacing)
-            recv_waves = pace_chunks(chunks_for_ranks(plan.params, ex.recv_ranks), self.pacing)
+            send_waves, recv_waves = ex.send_waves, ex.recv_waves
             send_peer = global_rank(group, ex.send_peer)
             recv_peer = global_rank(group, ex.recv_peer)
             for i in range(max(len(send_waves), len(recv_waves))):
@@ -78,7 +69,7 @@ class P2PTransport:
                 if not ops:
                     continue
                 watchdog.wait_works(dist.batch_isend_irecv(ops), "TIDE-AG p2p gather", group,
-                                    (send_peer, recv_peer), outputs[0].device)  # fmt: skip
+                                    (send_peer, recv_peer), self.device)  # fmt: skip
         return None
 
     def exchange_rows(
@@ -86,13 +77,14 @@ class P2PTransport:
         layout: WorldLayout,
         rank: int,
         rnd: RSRound,
+        pushes: tuple[RSSlice, ...],
         grads: list[torch.Tensor],
         segments: tuple[RSSegment, ...],
         row_numel: int,
         group: dist.ProcessGroup,
     ) -> torch.Tensor:
         """One node-local TIDE-RS round (``plan.rs_schedule``) over send/recv:
-        every slice goes straight from the sender's gradient into the
+        every slice of ``pushes`` (from the plan) goes straight from the sender's gradient into the
         receiver's staging row (the own slice by a local copy). Returns the
         received rows ``[len(rnd.recvs), row_numel]`` in the gradients' dtype,
         complete on the current stream (NCCL) or on the host (gloo)."""
@@ -100,12 +92,12 @@ class P2PTransport:
         rows_used = len(rnd.recvs)
         nbytes = rows_used * row_numel * itemsize
         if self.staging is None or self.staging.numel() < nbytes:
-            self.staging = torch.empty(nbytes, dtype=torch.uint8, device=grads[0].device)
+            self.staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         rows = self.staging.narrow(0, 0, nbytes).view(dtype).view(rows_used, row_numel)
         local = layout.local_of(rank)
         my_dst = layout.rank_of(rnd.chunk_node, local)
         ops: list[dist.P2POp] = []
-        for push in rs_push_slices(layout, rnd, segments):
+        for push in pushes:
             src = grads[push.param_index].narrow(0, push.src_offset, push.numel)
             if push.peer == local:
                 rows[push.row].narrow(0, push.dst_offset, push.numel).copy_(src)
@@ -125,5 +117,5 @@ class P2PTransport:
         if ops:
             peers = tuple(sorted({op.peer for op in ops}))
             watchdog.wait_works(dist.batch_isend_irecv(ops), "TIDE-RS p2p rows", group, peers,
-                                rows.device)  # fmt: skip
+                                self.device)  # fmt: skip
         return rows

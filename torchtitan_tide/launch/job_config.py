@@ -1,12 +1,17 @@
 """The trainer's arguments, parsed in the launcher exactly as the trainer will parse them.
 
-``run_train.sh`` passes ``--job.config_file X.toml [--section.key value ...]`` to
+The bottom of the launcher: it imports no other launcher module. ``run_train.sh`` passes
+``--job.config_file X.toml [--section.key value ...]`` (:func:`trainer_args`) to
 ``torchtitan_tide.train``, which hands them to TorchTitan 0.2.2's ``ConfigManager`` (tyro,
 with the TOML's ``[job] custom_config_module``, here ``torchtitan_tide.config`` and its
 ``[tide]`` section). :func:`check_job_args` runs that same parse before any process starts,
 so a dry run that succeeds means the trainer's parse succeeds: an unknown key (TOML or
 command line) fails naming the key, the nearest valid ones and where every option is listed;
 a value TorchTitan's parser refuses fails with its message.
+
+TorchTitan is imported by the functions that parse (:func:`option_types`,
+:func:`parse_job_config`), never at module level: the launcher's ``--help`` imports this
+module and must work before the install.
 """
 
 import contextlib
@@ -19,11 +24,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from torchtitan.config import ConfigManager
-from torchtitan.config import JobConfig as TitanJobConfig
-
-from torchtitan_tide.launch import trainer_args
-
 # Lists every option of the merged job config (TorchTitan's and [tide]), as the fix to print.
 OPTIONS_HELP = (
     "python -m torchtitan.config.manager --job.custom_config_module torchtitan_tide.config --help"
@@ -32,6 +32,11 @@ OPTIONS_HELP = (
 
 class JobArgsError(ValueError):
     """The job config would not parse in the trainer; the message names the key and the fix."""
+
+
+def trainer_args(config_path: Path, overrides: list[str]) -> list[str]:
+    """The arguments ``torchtitan_tide.train`` gets (after torchrun's own)."""
+    return ["--job.config_file", str(config_path), *overrides]
 
 
 def custom_config_module(table: dict[str, Any], values: dict[str, str]) -> str | None:
@@ -49,6 +54,8 @@ def option_types(custom_module: str | None) -> dict[str, Any]:
     Raises:
         JobArgsError: ``custom_module`` cannot be imported or has no ``JobConfig``.
     """
+    from torchtitan.config import JobConfig as TitanJobConfig
+
     classes = [TitanJobConfig]
     if custom_module:
         try:
@@ -152,6 +159,8 @@ def parse_job_config(args: list[str]) -> Any:
     Raises:
         JobArgsError: the parser refused ``args`` (its message, without the help footer).
     """
+    from torchtitan.config import ConfigManager
+
     captured = io.StringIO()
     try:
         with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
