@@ -64,8 +64,10 @@ def plan_report(
     rs_rows: int = 2,
     rs_inflight: int = 2,
     slot_reuse: bool = True,
+    cross_node: str = "p2p",
 ) -> dict[str, Any]:
-    """Everything the CLI prints, as JSON-ready data (bytes).
+    """Everything the CLI prints, as JSON-ready data (bytes). ``cross_node``: the
+    cross-node transport the TIDE figures assume (``plan_memory``).
 
     Raises:
         ValueError: options :func:`plan_memory` refuses (its message).
@@ -78,6 +80,7 @@ def plan_report(
         rs_rows=rs_rows,
         rs_inflight=rs_inflight,
         slot_reuse=slot_reuse,
+        cross_node=cross_node,
     )
     return {
         "config": cm.path.name,
@@ -102,7 +105,12 @@ def plan_report(
             "reduce_bytes": cm.dtypes.reduce_bytes,
             "master_bytes": cm.dtypes.master_bytes,
         },
-        "options": {"rs_rows": rs_rows, "rs_inflight": rs_inflight, "slot_reuse": slot_reuse},
+        "options": {
+            "rs_rows": rs_rows,
+            "rs_inflight": rs_inflight,
+            "slot_reuse": slot_reuse,
+            "cross_node": cross_node,
+        },
         "grouping": cm.grouping,
         "groups": [
             {
@@ -139,7 +147,8 @@ def format_report(report: dict[str, Any], formulas: bool = False) -> str:
         (
             f"Options: rs_rows {report['options']['rs_rows']}, "
             f"rs_inflight {report['options']['rs_inflight']}, "
-            f"slot_reuse {report['options']['slot_reuse']}"
+            f"slot_reuse {report['options']['slot_reuse']}, "
+            f"cross-node {report['options']['cross_node']} (--cross-node)"
         ),
         report["grouping"] + ":",
     ]
@@ -263,6 +272,13 @@ def _parser() -> argparse.ArgumentParser:
         help="TIDE-RS stages in the TIDE-AG slots (default: [tide] slot_reuse)",
     )
     parser.add_argument(
+        "--cross-node",
+        choices=("p2p", "one_sided"),
+        help="TIDE's cross-node transport the figures assume (default: 'one_sided' for "
+        "[tide] cross_node_transport = 'nccl_one_sided', else 'p2p'; 'auto' takes one-sided "
+        "where NCCL has host RMA between the nodes: check both)",
+    )
+    parser.add_argument(
         "--formulas", action="store_true", help="also print how each figure is computed"
     )
     parser.add_argument("--json", metavar="PATH", help="also write the plan as JSON (bytes)")
@@ -285,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
             cm.tide.rs_rows if args.rs_rows is None else args.rs_rows,
             cm.tide.rs_inflight if args.rs_inflight is None else args.rs_inflight,
             cm.tide.slot_reuse if args.slot_reuse is None else args.slot_reuse,
+            args.cross_node
+            or ("one_sided" if cm.tide.cross_node_transport == "nccl_one_sided" else "p2p"),
         )
         report["world"]["local_world_size_from"] = source
     except (ValueError, FileNotFoundError) as exc:  # FsdpGroupsError, TideConfigError

@@ -23,7 +23,8 @@ Every mode's row carries ``floor_ms`` and ``gap_to_floor_pct`` (best step vs flo
 a compute floor of the config exists: ``--floor-json``, else the newest
 ``*_floor_<config>.json`` (``bench_floor.py``) under ``--out-dir``.
 
-Writes ``<date>_<machine>_<commit>_step_<config>.{json,md,png}``:
+Writes ``<date>_<machine>_<commit>_step_<config>.{json,md,png}`` (``step_world1_<config>``
+for a one-rank run):
 
     python scripts/bench/bench_step.py --out-dir bench/results \\
         [--config h200x2_llama70b_4layers] [--modes fsdp2,symm_mem,tide] [--steps 15] \\
@@ -436,7 +437,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             shown = {k: v for k, v in runs[mode][-1].items() if k not in ("layout", "breakdown")}
             print(f"[bench_step] round {round_index} {mode}: {shown}", flush=True)
 
-    stem = common.result_stem(args.out_dir, f"step_{args.config}", meta)
+    # a one-rank run (the one-GPU trainer) is no comparison of comm modes: its own name, so
+    # report.py's newest-per-name choice never shows it as the config's multi-GPU step
+    name = f"step_world1_{args.config}" if world == 1 else f"step_{args.config}"
+    stem = common.result_stem(args.out_dir, name, meta)
     common.announce_results(stem, write_outputs(stem, meta, vars(args), runs, profile, floor))
     if any(row.get("error") for row in compare(runs)):
         sys.exit(1)

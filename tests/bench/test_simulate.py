@@ -379,9 +379,11 @@ def test_host_time_from_a_world1_step_file_or_the_recorded_figures(tmp_path):
     row = {"mode": "fsdp2", "best_step_ms": 8100.0, "bd_step_ms": 8200.0, "bd_compute_ms": 7300.0,
            "bd_optimizer_ms": 90.0, "bd_host_bound_ms": 500.0, "bd_other_idle_ms": 210.0}  # fmt: skip
     result = {"metadata": {"world_size": 1, "date": "2026-12-03"}, "rows": [row]}
-    (tmp_path / f"x_step_{wan}.json").write_text(json.dumps(result))
+    (tmp_path / f"x_step_{wan}.json").write_text(json.dumps(result))  # a 2-GPU name: not read
+    assert inputs.host_ms({}, wan, tmp_path)[1].startswith("not measured")
+    (tmp_path / f"x_step_world1_{wan}.json").write_text(json.dumps(result))  # bench_step's name
     host, text = inputs.host_ms({}, wan, tmp_path)
-    assert host == pytest.approx(710.0) and f"x_step_{wan}.json" in text
+    assert host == pytest.approx(710.0) and f"x_step_world1_{wan}.json" in text
 
 
 def test_world1_rows_say_when_the_world1_trace_is_missing(tmp_path):

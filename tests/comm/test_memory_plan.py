@@ -253,11 +253,41 @@ def test_cli_reads_tide_section_and_flags_override(capsys, tmp_path):
     _run_cli(capsys, "--config", str(path), "--gpus", "8", "--json", str(out_json))
     report = json.loads(out_json.read_text())
     assert report["selected_comm"] == "tide_ag"
-    assert report["options"] == {"rs_rows": 2, "rs_inflight": 3, "slot_reuse": True}
+    assert report["options"] == {
+        "rs_rows": 2,
+        "rs_inflight": 3,
+        "slot_reuse": True,
+        "cross_node": "p2p",
+    }
     assert report["world"]["nodes"] == 2
     assert report["world"]["local_world_size_from"] == "[tide] local_world_size"
     argv = ["--config", str(path), "--gpus", "8", "--json", str(out_json)]
-    _run_cli(capsys, *argv, "--rs-inflight", "1", "--no-slot-reuse", "--local-world-size", "8")
+    _run_cli(capsys, *argv, "--rs-inflight", "1", "--no-slot-reuse", "--local-world-size", "8",
+             "--cross-node", "one_sided")  # fmt: skip
     report = json.loads(out_json.read_text())
-    assert report["options"] == {"rs_rows": 2, "rs_inflight": 1, "slot_reuse": False}
+    assert report["options"] == {
+        "rs_rows": 2,
+        "rs_inflight": 1,
+        "slot_reuse": False,
+        "cross_node": "one_sided",
+    }
     assert report["world"]["nodes"] == 1
+
+
+def test_one_sided_windows_are_counted():
+    """The one-sided transport's windows as install sizes them: TIDE-RS (K + 2N) regions
+    of the largest fp32 shard (256-byte rounded), TIDE-AG 2N packed entries at one rank
+    per node; send/recv's ring is (K + 1) fp32 shards."""
+    from torchtitan_tide.comm.memory_plan import CommDtypes, GroupShape, plan_memory
+    from torchtitan_tide.comm.transport.one_sided import ag_window_bytes, rs_window_bytes
+
+    groups = [GroupShape("layer", ((1000, 64),))]
+    dtypes = CommDtypes(param_bytes=2, reduce_bytes=4, master_bytes=4)
+    shard = 1000 // 4 * 64  # W = 4
+    p2p = plan_memory(groups, 4, 1, dtypes, rs_inflight=2)["tide"]
+    one = plan_memory(groups, 4, 1, dtypes, rs_inflight=2, cross_node="one_sided")["tide"]
+    assert p2p.parts["rs_cross_node_fp32"] == 3 * shard * 4
+    assert one.parts["rs_cross_node_fp32"] == rs_window_bytes(4, 2, shard * 4)
+    assert one.ag_bytes - p2p.ag_bytes == ag_window_bytes(4, shard * 2)
+    with pytest.raises(ValueError, match="cross_node"):
+        plan_memory(groups, 4, 1, dtypes, cross_node="rdma")

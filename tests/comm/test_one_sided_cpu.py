@@ -116,3 +116,47 @@ def test_window_sizes():
     assert ag_window_bytes(num_nodes=4, entry_bytes=1000) == 8000
     # 2 in flight + 2 parities x 4 nodes regions of 1000 B rounded to 1024
     assert rs_window_bytes(num_nodes=4, inflight=2, shard_bytes=1000) == 10 * 1024
+
+
+class _Posted:
+    """A stand-in for install's bounded steps: ``exchange`` returns what every rank posted."""
+
+    def __init__(self, others: list) -> None:
+        self.others, self.posted = others, None
+
+    def exchange(self, what: str, value: object) -> list:
+        self.posted = value
+        return [value, *self.others]
+
+
+def test_every_rank_learns_any_rank_reason_not_to_try(monkeypatch):
+    from torchtitan_tide.comm import install
+
+    monkeypatch.setattr(nccl_rma, "new_unique_id", lambda: b"u" * 128)
+    ids, why = install._agree_to_try(_Posted([(None, None)]), None, True, 2)
+    assert why is None and ids == [b"u" * 128] * 2
+    # another node loaded an older NCCL: every rank falls back alike, naming it
+    older = "NCCL 2.28.9 is loaded; the one-sided API needs NCCL >= 2.29"
+    ids, why = install._agree_to_try(_Posted([(older, None)]), None, True, 2)
+    assert ids == [] and why == f"group rank 1: {older}"
+
+    # the first rank cannot make ids: a reason like any other, posted instead of ids
+    def fails():
+        raise nccl_rma.NcclError("ncclGetUniqueId failed")
+
+    monkeypatch.setattr(nccl_rma, "new_unique_id", fails)
+    soft = _Posted([(None, None)])
+    ids, why = install._agree_to_try(soft, None, True, 1)
+    assert ids == [] and "group rank 0: NcclError: ncclGetUniqueId failed" in why
+    assert soft.posted[1] is None
+
+
+def test_window_partials_are_never_reallocated():
+    from torchtitan_tide.comm.reduce_scatter import RSBuffers
+
+    buffers = RSBuffers(inflight=2, partials=[torch.zeros(8), torch.zeros(8)],
+                        partial_free=[None, None], partials_fixed=True)  # fmt: skip
+    slot, view = buffers.take_partial(8, torch.device("cpu"))
+    assert view.data_ptr() == buffers.partials[slot].data_ptr()
+    with pytest.raises(RuntimeError, match="cross_node_transport = 'p2p'"):
+        buffers.take_partial(9, torch.device("cpu"))

@@ -364,6 +364,29 @@ class _OneSided:
     rs: OneSidedCrossNode | None = None
 
 
+_NOT_NCCL = "needs CUDA parameters and an NCCL process group"
+
+
+def _agree_to_try(
+    soft: _SoftSteps, failure: str | None, is_first: bool, sides: int
+) -> tuple[list[bytes], str | None]:
+    """One exchange over the group: every rank's reason not to try the one-sided path
+    (None: none) and the first rank's unique ids. Returns ``(ids, None)`` when every rank
+    can try, else ``([], the reasons naming their ranks)``: the whole group decides alike,
+    also when one node loaded another NCCL."""
+    ids: list[bytes] | None = None
+    if is_first and failure is None:
+        try:
+            ids = [nccl_rma.new_unique_id() for _ in range(sides)]
+        except Exception as e:  # noqa: BLE001 - a reason like any other, told to every rank
+            failure = f"{type(e).__name__}: {e}"
+    posted = soft.exchange("one-sided reasons and unique ids", (failure, ids))
+    reasons = [(r, why) for r, (why, _) in enumerate(posted) if why is not None]
+    if reasons:
+        return [], "; ".join(f"group rank {r}: {why}" for r, why in reasons)
+    return posted[0][1], None
+
+
 def _one_sided_wanted(
     members: list[_Candidate], options: TideOptions
 ) -> tuple[bool, bool, str | None]:
@@ -378,7 +401,7 @@ def _one_sided_wanted(
         m.pg._reduce_scatter_process_group is m.group for m in members
     )
     if c.device.type != "cuda" or "nccl" not in str(dist.get_backend(c.group)).lower():
-        return want_ag, want_rs, "needs CUDA parameters and an NCCL process group"
+        return want_ag, want_rs, _NOT_NCCL
     return want_ag, want_rs, nccl_rma.one_sided_missing_reason()
 
 
@@ -401,8 +424,9 @@ class _SoftSteps:
         def soft():
             try:
                 return fn(), None
-            except nccl_rma.NcclError as e:
-                return None, str(e)
+            except Exception as e:  # noqa: BLE001 - an outcome every rank learns, not a failure
+                return None, f"{type(e).__name__}: {e}" if not isinstance(
+                    e, nccl_rma.NcclError) else str(e)  # fmt: skip
 
         value, error = self.steps.run(what, self.scope, self.peers, soft, self.device)
         bad = [(r, e) for r, e in enumerate(self.exchange(f"{what} outcome", error)) if e]
@@ -423,7 +447,10 @@ def _one_sided_side(
     made.append(comm)
     if failure is not None:
         return None, failure
-    supported = soft.exchange("one-sided host RMA", comm.host_rma_supported())
+    support, failure = soft.attempt("one-sided host RMA query", comm.host_rma_supported)
+    if failure is not None:
+        return None, failure
+    supported = soft.exchange("one-sided host RMA", support)
     lacking = [r for r, ok in enumerate(supported) if ok is False]
     if lacking:
         version = nccl_rma.version_text(nccl_rma.nccl_version())
@@ -469,6 +496,11 @@ def _connect_one_sided(
         assert layout is not None
         want_ag, want_rs, failure = _one_sided_wanted(members, options)
         if not (want_ag or want_rs):
+            if choice == "nccl_one_sided":  # asked for, nothing to carry: say so
+                decisions.append(
+                    f"{c.fqn}: [tide] cross_node_transport = 'nccl_one_sided' unused (no "
+                    "TIDE-RS phase 2 here and TIDE-AG has several ranks per node)"
+                )
             continue
         sides: list[tuple[str, int]] = []
         if want_ag:
@@ -482,13 +514,14 @@ def _connect_one_sided(
                           rs_window_bytes(layout.num_nodes, options.rs_inflight, rs_shard_bytes)))  # fmt: skip
         made: list[nccl_rma.RmaComm] = []
         found: dict[str, tuple] = {}
-        if failure is None:
+        if c.device.type == "cuda" and failure is not _NOT_NCCL:
             steps = steps or SetupSteps(install_seq, options.install_timeout_s)
             peers = list(group_global_ranks(c.group))
             scope = f"onesided{k}/{zlib.crc32(repr(peers).encode()):08x}"
             soft = _SoftSteps(steps, scope, peers, c.device)
-            ids = soft.exchange("one-sided unique ids", [
-                nccl_rma.new_unique_id() for _ in sides] if c.group.rank() == 0 else None)[0]  # fmt: skip
+            # every rank's reason not to (a node with another NCCL, say) and rank 0's ids
+            ids, failure = _agree_to_try(soft, failure, c.group.rank() == 0, len(sides))
+        if failure is None:
             for (side, nbytes), uid in zip(sides, ids):
                 pair, failure = _one_sided_side(soft, c, uid, nbytes, made)
                 if failure is not None:
@@ -513,7 +546,10 @@ def _connect_one_sided(
             result.rs = OneSidedCrossNode(*found["TIDE-RS phase 2"], layout.num_nodes,
                                           options.rs_inflight, rs_shard_bytes, name)  # fmt: skip
         windows = ", ".join(f"{side} window {pair[1].nbytes} B" for side, pair in found.items())
-        stays = "" if want_ag else "; TIDE-AG across nodes stays send/recv (copy-engine slots)"
+        stays = "" if want_ag else (
+            f"; TIDE-AG across nodes stays send/recv ({layout.local_world_size} ranks per "
+            "node: its staging is no NCCL window)"
+        )  # fmt: skip
         decisions.append(
             f"{c.fqn}: cross-node nccl_one_sided ({'auto: ' if choice == 'auto' else ''}NCCL "
             f"{nccl_rma.version_text(nccl_rma.nccl_version())} with host RMA; {windows}{stays})"
@@ -574,6 +610,7 @@ def _mark_groups(
             # the partial ring lives in the registered window: puts read it in place
             buffers.partials = sided.rs.send_slots(sided.rs.region_bytes // 4)
             buffers.partial_free = [None] * len(buffers.partials)
+            buffers.partials_fixed = True
             if buffers.wire_dtype != torch.float32:  # partials rounded for the wire: put too
                 buffers.send = sided.rs.wire_slot(buffers.wire_dtype)
         layout = c.plan.layout

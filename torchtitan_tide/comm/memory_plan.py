@@ -89,7 +89,9 @@ FORMULAS: dict[str, dict[str, str]] = {
         "rs": (
             "copy engine: Slot-Reuse 2*slot(max(N*A, R*S_max*b_grad)) - AG slots, else "
             "2*slot(R*S_max*b_grad); p2p (L = 1): R*S_max*b_grad; R = min(L, rs_rows); "
-            "+ (N > 1) (K+1)*S_max*4 fp32 partial ring and receive buffer, K = rs_inflight"
+            "+ (N > 1) (K+1)*S_max*4 fp32 partial ring and receive buffer, K = rs_inflight; "
+            "one-sided cross-node transport instead: (K+2N)*round256(S_max*4) window, and "
+            "for L = 1 a TIDE-AG window 2*N*A"
         ),
         "gradients": "sum_g S_g*b_red",
         "params_optimizer": "sum_g S_g*b_master*3",
@@ -263,6 +265,7 @@ def plan_memory(
     rs_rows: int = 2,
     rs_inflight: int = 2,
     slot_reuse: bool = True,
+    cross_node: str = "p2p",
 ) -> dict[str, ModePlan]:
     """Per-rank buffer bytes of every mode in :data:`MODES` (see the module docstring).
 
@@ -274,6 +277,10 @@ def plan_memory(
         rs_rows: TIDE-RS source rows per staging slot (``R = min(L, rs_rows)``).
         rs_inflight: TIDE-RS cross-node fp32 partials in flight ``K``.
         slot_reuse: TIDE-RS stages gradients in the AG slots (only with the copy engine).
+        cross_node: TIDE's cross-node transport, ``"p2p"`` (send/recv) or ``"one_sided"``
+            (NCCL windows, ``[tide] cross_node_transport``: what ``auto`` takes where
+            NCCL has host RMA): ``(K + 2N) x round256(S_max x 4)`` for TIDE-RS phase 2
+            and, with one rank per node, ``2N x A`` for TIDE-AG, persistent.
 
     Raises:
         ValueError: naming the argument that is out of range.
@@ -282,6 +289,8 @@ def plan_memory(
     for name, value in (("rs_rows", rs_rows), ("rs_inflight", rs_inflight)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} = {value!r} must be an integer >= 1")
+    if cross_node not in ("p2p", "one_sided"):
+        raise ValueError(f"cross_node = {cross_node!r}: choose 'p2p' or 'one_sided'")
     groups = [g for g in groups if g.param_shapes]
     if not groups:
         raise ValueError("plan_memory needs at least one FSDP group with parameters")
@@ -295,8 +304,10 @@ def plan_memory(
     stock_rs = 2 * max(world * s * dtypes.reduce_bytes for s in shard)
     stock_parts = {"ag_flat_buffers": stock_ag, "rs_input_buffers": stock_rs}
     pool_note = "same sizes as fsdp2, from the symmetric-memory pool (persistent, cached)"
-    tide = _tide_buffers(groups, layout, dtypes, rs_rows, rs_inflight, slot_reuse)
-    tide_ag = _tide_buffers(groups, layout, dtypes, rs_rows, rs_inflight, slot_reuse=False)
+    tide = _tide_buffers(groups, layout, dtypes, rs_rows, rs_inflight, slot_reuse, cross_node)
+    tide_ag = _tide_buffers(
+        groups, layout, dtypes, rs_rows, rs_inflight, slot_reuse=False, cross_node=cross_node
+    )
     ag_note = tide.notes[0]
     return {
         "fsdp2": ModePlan(
@@ -364,9 +375,12 @@ def _tide_buffers(
     rs_rows: int,
     rs_inflight: int,
     slot_reuse: bool,
+    cross_node: str = "p2p",
 ) -> _TideBuffers:
     """TIDE-AG slots and TIDE-RS buffers as ``install.install`` sizes them
-    (the copy-engine slots through the same :func:`slot_sizes`)."""
+    (the copy-engine slots through the same :func:`slot_sizes`; the one-sided windows
+    through ``transport.one_sided``'s :func:`ag_window_bytes` / :func:`rs_window_bytes`
+    rule, repeated here torch-free)."""
     world, local, nodes = layout.world_size, layout.local_world_size, layout.num_nodes
     shard = [group_shard_numel(g, world) for g in groups]
     shard_max = max(shard)
@@ -401,10 +415,21 @@ def _tide_buffers(
             "AG: one rank per node, point-to-point straight into storage, no slots",
             f"RS: point-to-point staging of {rows} row(s)",
         ]
-    cross_node = (rs_inflight + 1) * shard_max * 4 if nodes > 1 else 0
-    if cross_node:
-        notes.append(f"RS: cross-node fp32 ring of {rs_inflight} partials + 1 receive buffer")
-    return _TideBuffers(ag_slots, rs_staging, cross_node, tuple(notes))
+    one_sided = cross_node == "one_sided" and nodes > 1
+    if one_sided:
+        cross = (rs_inflight + 2 * nodes) * _round_up(shard_max * 4, 256)
+        notes.append(
+            f"RS: one-sided window of {rs_inflight} send slots + 2 x {nodes} receive regions"
+        )
+        if local == 1:  # TIDE-AG's window: 2 halves x N packed entries
+            entry = max(aligned_group_bytes(g, world, dtypes.param_bytes) for g in groups)
+            ag_slots += 2 * nodes * entry
+            notes.append(f"AG: one-sided window of 2 x {nodes} packed shards")
+    else:
+        cross = (rs_inflight + 1) * shard_max * 4 if nodes > 1 else 0
+        if cross:
+            notes.append(f"RS: cross-node fp32 ring of {rs_inflight} partials + 1 receive buffer")
+    return _TideBuffers(ag_slots, rs_staging, cross, tuple(notes))
 
 
 def _round_up(value: int, multiple: int) -> int:

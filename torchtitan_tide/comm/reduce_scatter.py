@@ -112,11 +112,19 @@ class RSBuffers:
     recv: torch.Tensor | None = None
     next_partial: int = 0
     sent_bytes: int = 0  # phase-2 bytes this rank posted to other nodes (benchmarks read it)
+    # the ring is a set of views of a registered window (one-sided): never reallocated
+    partials_fixed: bool = False
 
     def take_partial(self, numel: int, device: torch.device) -> tuple[int, torch.Tensor]:
         """The next ring slot and an fp32 view of ``numel`` elements; on CUDA the
         current stream waits until phase 2 released that slot."""
         if not self.partials or self.partials[0].numel() < numel:
+            if self.partials_fixed:
+                raise RuntimeError(
+                    f"TIDE-RS: a partial of {numel} elements exceeds the one-sided window's "
+                    f"send slots ({self.partials[0].numel()}), sized at install for the "
+                    "largest FSDP group; set [tide] cross_node_transport = 'p2p'"
+                )
             # Phase 2 may still be sending from the old buffers (on another stream):
             # the stream that reallocates waits for it before the memory is reused.
             for event in self.partial_free:

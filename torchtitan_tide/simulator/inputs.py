@@ -379,7 +379,8 @@ def breakdown_step_file(results_dir: Path, config: str, world: int) -> Path | No
     """The newest committed ``bench_step`` result of ``config`` run at ``world`` ranks
     with a profiled step breakdown (``bd_*`` columns of its ``fsdp2`` row), if any."""
     found = []
-    for path in results_dir.glob(f"*_step_{config}.json"):
+    name = f"step_world1_{config}" if world == 1 else f"step_{config}"  # bench_step's names
+    for path in results_dir.glob(f"*_{name}.json"):
         data = json.loads(path.read_text())
         row = next((r for r in data.get("rows", []) if r.get("mode") == "fsdp2"), {})
         if data.get("metadata", {}).get("world_size") == world and row.get("bd_step_ms"):

@@ -361,9 +361,14 @@ class RmaComm:
         self.comm = ctypes.c_void_p()
 
     def abort(self) -> None:
-        """End the communicator without waiting for peers (a failed set-up)."""
+        """End the communicator without waiting for peers (a failed set-up), then free
+        its windows' memory (the abort released their registrations)."""
         if self.comm:
-            _library().ncclCommAbort(self.comm)
+            lib = _library()
+            lib.ncclCommAbort(self.comm)
+            for window in self.windows:
+                lib.ncclMemFree(ctypes.c_void_p(window.ptr))
+            self.windows.clear()
             self.comm = ctypes.c_void_p()
 
 
