@@ -98,6 +98,12 @@ if has emulation; then
     note "  $(grep -E '(passed|failed|skipped|error)' "$LOGS/emulation_one_node.log" | tail -1)"
     run nccl_restored 60 python3 scripts/gpu/nccl_version.py
     note "  $(nccl_line "$LOGS/nccl_restored.log")"
+    if [[ "$(nccl_line "$LOGS/nccl_restored.log")" != "$(nccl_line "$LOGS/nccl_bundled.log")" ]]; then
+      # later stages (symm_mem under torch 2.11) must not run on the swapped library
+      note "nccl_restored: the bundled NCCL is NOT back (see nccl_swap.sh's log); stopping"
+      printf '%s\n' "${table[@]}"
+      exit 1
+    fi
   else
     note "emulation_one_node: skipped (no .nccl/ with NCCL >= 2.30: carry it, docs/2026-12-02-emulation.md)"
   fi

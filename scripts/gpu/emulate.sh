@@ -136,6 +136,8 @@ stop() {
 }
 
 declare -a pids status
+# before the first node starts: an interrupt during start-up stops the ones already running
+trap 'echo "[emulate] interrupted: stopping every node"; stop "${pids[@]}"; exit 130' INT TERM
 for ((i = 0; i < nodes; i++)); do
   node_command "$i"
   echo "[emulate] node $i: ${cmd[*]}"
@@ -145,9 +147,8 @@ for ((i = 0; i < nodes; i++)); do
   ) &
   pids[i]=$!
 done
-trap 'echo "[emulate] interrupted: stopping every node"; stop "${pids[@]}"; exit 130' INT TERM
 
-first_failure="" stopped=0
+first_failure="" first_rc=0 stopped=0
 while :; do
   running=0
   for ((i = 0; i < nodes; i++)); do
@@ -160,7 +161,7 @@ while :; do
     status[i]=$?
     echo "[emulate] node $i exited with status ${status[i]}"
     if [[ "${status[i]}" != 0 && -z "$first_failure" ]]; then
-      first_failure=$SECONDS
+      first_failure=$SECONDS first_rc=${status[i]}  # the first node to fail, in time
     fi
   done
   ((running)) || break
@@ -177,12 +178,6 @@ while :; do
   sleep 0.5
 done
 
-rc=0
-for ((i = 0; i < nodes; i++)); do
-  if [[ "${status[i]}" != 0 ]]; then
-    rc=${status[i]}
-    break
-  fi
-done
+rc=$first_rc
 echo "[emulate] $nodes node(s), mode $mode: statuses ${status[*]}, exit $rc"
 exit "$rc"

@@ -88,14 +88,18 @@ cat "${parts[@]}" | xz -d > "$work/libnccl.so.2" || die "unpacking ${parts[*]} f
 got=$(sha256sum "$work/libnccl.so.2" | awk '{print $1}')
 [[ "$got" == "$want" ]] || die "unpacked library sha256 $got, $src/sha256.txt says $want"
 cp -p "$target" "$backup" || die "backing up $target failed"
+swapped=1  # from here on restore on any exit: the backup over an unchanged target is harmless
 cp "$work/libnccl.so.2" "$target.swap.$$" && chmod --reference="$backup" "$target.swap.$$" \
   && mv -f "$target.swap.$$" "$target" || die "could not replace $target"
-swapped=1
 echo "[nccl_swap] $target <- $src (sha256 $want); bundled copy backed up (sha256 $have)"
 # In the background and waited for: a signal to this script then ends the command and
 # restores at once (bash runs traps only between commands, and during `wait`).
+# Its own process group (job control), so a signal reaches everything it started (a
+# `bash -c` running pytest and its spawned ranks), not only the direct child.
+set -m
 "$@" &
 child=$!
-trap 'kill -TERM "$child" 2>/dev/null; wait "$child"; exit 143' TERM
-trap 'kill -TERM "$child" 2>/dev/null; wait "$child"; exit 130' INT  # a background command ignores SIGINT
+set +m
+trap 'kill -TERM -- -"$child" 2>/dev/null; wait "$child"; exit 143' TERM
+trap 'kill -TERM -- -"$child" 2>/dev/null; wait "$child"; exit 130' INT  # a background command ignores SIGINT
 wait "$child"
