@@ -13,7 +13,8 @@ from torchtitan_tide.simulator.cluster import load_cluster
 from torchtitan_tide.simulator.inputs import MODES, RESULTS, inputs_record
 from torchtitan_tide.simulator.step import CROSS_NODE, simulate_config
 
-WIRE_BYTES = {"fp32": 4, "bf16": 2}
+# [tide] rs_wire_dtype's spellings and the short ones
+WIRE_BYTES = {"fp32": 4, "bf16": 2, "float32": 4, "bfloat16": 2}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,9 +30,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rs-wire", choices=sorted(WIRE_BYTES), default=None,
                    help="TIDE-RS cross-node partials: fp32 or bf16 (modeled); default: the "
                         "config's [tide] rs_wire_dtype")  # fmt: skip
-    p.add_argument("--cross-node", choices=CROSS_NODE, default=None,
-                   help="TIDE's cross-node transport: p2p (send/recv kernels) or one_sided "
-                        "(0 SMs); default: the config's [tide] cross_node_transport")  # fmt: skip
+    p.add_argument("--cross-node", choices=(*CROSS_NODE, "nccl_one_sided"), default=None,
+                   help="TIDE's cross-node transport: p2p (send/recv kernels) or one_sided = "
+                        "nccl_one_sided (0 SMs); default: the config's [tide] "
+                        "cross_node_transport ('auto' is modeled as p2p: the simulator cannot "
+                        "see whether NCCL has host RMA)")  # fmt: skip
     p.add_argument("--mfu", type=float, default=0.4, help="MFU of the FLOPs fallback (no trace)")
     p.add_argument("--results-dir", default=str(RESULTS))
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
@@ -62,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = simulate_config(
             args.config, args.gpus, modes, cluster, Path(args.results_dir), args.trace, args.mfu,
             rs_wire_bytes=WIRE_BYTES[args.rs_wire] if args.rs_wire else None,
-            cross_node=args.cross_node,
+            cross_node="one_sided" if args.cross_node == "nccl_one_sided" else args.cross_node,
         )  # fmt: skip
     except (ValueError, FileNotFoundError) as exc:  # SimulateError, ClusterError, FsdpGroupsError
         parser.error(str(exc))
