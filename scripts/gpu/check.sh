@@ -15,6 +15,9 @@
 #                 2. `-m "gpu and emulation and one_node"` (ranks of ONE NCCL node sharing the
 #                    GPU, the one-sided transport) with .nccl/'s NCCL (>= 2.30) swapped in for
 #                    them (scripts/gpu/nccl_swap.sh; restored after); skipped without .nccl/
+#   cross_node    bench_cross_node: NCCL kernels, SM-ms and wire bytes of TIDE's cross-node
+#                 path (p2p, one-sided; fp32 and bf16 RS wire) vs fsdp2, two emulated nodes
+#                 on GPU 0 that NCCL sees as one node (.nccl/'s NCCL swapped in)     ~1.5 min
 #   floor         bench_floor per config in FLOOR_CONFIGS, on GPU 0 only (1 GPU is enough):
 #                 the compute floor the step rows' gap_to_floor_pct refers to
 #                 ~40 s llama, ~30 s qwen3, ~2 min wan22 (7.5 s per fwd+bwd)
@@ -48,7 +51,7 @@ cd "$REPO"
 OUT="${OUT:-/tmp/tide_check}"
 LOGS=/tmp/tide_logs
 mkdir -p "$OUT" "$LOGS" bench/results
-STAGES="${STAGES:-tests emulation floor trace train step bench accumulate collectives interference report}"
+STAGES="${STAGES:-tests emulation cross_node floor trace train step bench accumulate collectives interference report}"
 FLOOR_CONFIGS="${FLOOR_CONFIGS:-h200x2_llama70b_4layers h200x2_qwen3_30b_a3b_4layers h200x2_wan22_a14b_20layers}"
 MODES="${MODES:-fsdp2,symm_mem,tide}"
 MARK="$LOGS/.start"
@@ -82,9 +85,10 @@ if has tests; then
   note "  $(tail -1 "$LOGS/gpu_tests.log")"
 fi
 
+# NCCL's own version line and what the loaded library reports, on one line.
+nccl_line() { grep -E 'NCCL version|^NCCL [0-9.]+ in use' "$1" | tail -2 | paste -sd '|' -; }
+
 if has emulation; then
-  # NCCL's own version line and what the loaded library reports, on one line.
-  nccl_line() { grep -E 'NCCL version|^NCCL [0-9.]+ in use' "$1" | tail -2 | paste -sd '|' -; }
   run nccl_bundled 60 python3 scripts/gpu/nccl_version.py
   note "  $(nccl_line "$LOGS/nccl_bundled.log")"
   run emulation_nodes 300 python3 -m pytest -q -m "gpu and emulation and not one_node" tests \
@@ -106,6 +110,23 @@ if has emulation; then
     fi
   else
     note "emulation_one_node: skipped (no .nccl/ with NCCL >= 2.30: carry it, docs/2026-12-02-emulation.md)"
+  fi
+fi
+
+if has cross_node; then
+  if [[ -d .nccl ]]; then
+    [[ -f "$LOGS/nccl_bundled.log" ]] || run nccl_bundled 60 python3 scripts/gpu/nccl_version.py
+    run bench_cross_node 300 bash scripts/gpu/nccl_swap.sh .nccl -- \
+      python3 scripts/bench/bench_cross_node.py --emulation one_node --out-dir bench/results
+    note "  $(grep -o 'results: .*' "$LOGS/bench_cross_node.log" | tail -1)"
+    run nccl_restored_cross 60 python3 scripts/gpu/nccl_version.py
+    if [[ "$(nccl_line "$LOGS/nccl_restored_cross.log")" != "$(nccl_line "$LOGS/nccl_bundled.log")" ]]; then
+      note "nccl_restored_cross: the bundled NCCL is NOT back (see nccl_swap.sh's log); stopping"
+      printf '%s\n' "${table[@]}"
+      exit 1
+    fi
+  else
+    note "cross_node: skipped (no .nccl/ with NCCL >= 2.30: carry it)"
   fi
 fi
 

@@ -381,7 +381,7 @@ def _fp16_worker(rank: int, world: int) -> None:
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("torchtitan_tide.comm.fsdp_patch").addHandler(handler)
+    logging.getLogger("torchtitan_tide.comm.reduce_scatter").addHandler(handler)
     ref, tide = _build(torch.float16), _build(torch.float16)
     comm.apply(tide, "tide")
     gen = torch.Generator().manual_seed(7 + rank)

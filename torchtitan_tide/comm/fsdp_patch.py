@@ -13,10 +13,10 @@ dispatching wrappers (every read of FSDP2 internals is in ``fsdp_internals``):
   TIDE-AG; every other call (unmarked groups, other models, the post-forward
   mesh of ``reshard_after_forward=int``, a custom comm set after install) goes
   to the original function;
-- a reduce of a group marked ``param_group._tide_rs_state`` on the group's
-  reduce-scatter process group goes to TIDE-RS (``reduce_scatter.reduce_or_reason``),
-  which runs it or says why it takes FSDP2's path (its dtypes, a custom
-  reduce-scatter set after install: logged once per group and reason);
+- a reduce of a group marked ``param_group._tide_rs_state`` goes to TIDE-RS
+  (``reduce_scatter.try_reduce``, one call), which runs it or logs, once per
+  group and reason, why it takes FSDP2's path (its dtypes; here found: a custom
+  reduce-scatter set after install, another reduce-scatter process group);
 - the wrappers are installed once (refcounted per model, :func:`acquire` /
   :func:`release`) and the originals restored when the last model is removed.
   If something else rebinds those names after TIDE, TIDE is bypassed: the first
@@ -43,7 +43,7 @@ from .all_gather import (
     tide_all_gather_copy_out,
 )
 from .fsdp_internals import fsdp_param_groups
-from .reduce_scatter import TideReduceResult, TideRSState, reduce_or_reason
+from .reduce_scatter import TideRSState, try_reduce
 from .transport import clear_global_ranks
 
 __all__ = [
@@ -119,7 +119,7 @@ def _say_other_group_once(param_group, fqn: str) -> None:
 
 def _warn_custom_all_gather(param_group, fqn: str) -> None:
     """A custom all-gather set on a TIDE group after install wins: FSDP2's path, said
-    once (a custom reduce-scatter is one of ``_custom_comm_reason``'s logged reasons)."""
+    once (a custom reduce-scatter is one of ``_dispatch_reason``'s logged reasons)."""
     if not getattr(param_group, "_tide_custom_comm_logged", False):
         param_group._tide_custom_comm_logged = True
         logger.warning(
@@ -158,7 +158,7 @@ def _foreach_all_gather_copy_out(all_gather_result, fsdp_params, group, *args, *
     )
 
 
-def _rs_state_for(fsdp_params, reduce_scatter_group) -> tuple[TideRSState, object] | None:
+def _rs_state_for(fsdp_params) -> tuple[TideRSState, object] | None:
     """``(TIDE-RS state, FSDPParamGroup)`` of a reduce of a TIDE-RS group, else None."""
     if not fsdp_params:
         return None
@@ -167,53 +167,44 @@ def _rs_state_for(fsdp_params, reduce_scatter_group) -> tuple[TideRSState, objec
     state: TideRSState | None = getattr(param_group, _RS_ATTR, None)
     if state is None:
         return None
-    if reduce_scatter_group is not state.group:
-        _say_stock_once(
-            state,
-            "its reduce-scatter process group is no longer the all-gather group TIDE-RS "
-            "was set up on (set_separate_reduce_scatter_group or a new mesh after "
-            "comm.apply)",
-        )
-        return None
     members = {id(fp) for fp in param_group.fsdp_params}
     if any(id(fp) not in members for fp in fsdp_params):
         return None
     return state, param_group
 
 
-def _custom_comm_reason(state: TideRSState, param_group) -> str | None:
-    """Why a reduce of a TIDE-RS group must take FSDP2's path because of the group
-    itself (a custom reduce-scatter set after ``comm.apply``), or None."""
+def _dispatch_reason(state: TideRSState, param_group, reduce_scatter_group) -> str | None:
+    """Why a reduce of a TIDE-RS group must take FSDP2's path because of how FSDP2
+    calls it (another reduce-scatter process group, a custom reduce-scatter set after
+    ``comm.apply``), or None."""
+    if reduce_scatter_group is not state.group:
+        return (
+            "its reduce-scatter process group is no longer the all-gather group TIDE-RS "
+            "was set up on (set_separate_reduce_scatter_group or a new mesh after "
+            "comm.apply)"
+        )
     if getattr(param_group, "_reduce_scatter_comm", None) is state.fsdp_comm:
         return None
     custom = fsdp_internals.custom_comm_reason(param_group) or "a custom reduce-scatter"
     return f"{custom} set after comm.apply (set_custom_reduce_scatter)"
 
 
-def _say_stock_once(state: TideRSState, reason: str) -> None:
-    """Log, once per group and reason, that a reduce of a TIDE-RS group takes FSDP2's path."""
-    if reason not in state.stock_reasons:
-        state.stock_reasons.add(reason)
-        logger.warning("TIDE-RS %s: FSDP2 reduce-scatter for this reduce: %s", state.fqn, reason)
-
-
 def _foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, *args, **kwargs):
-    found = _rs_state_for(fsdp_params, reduce_scatter_group)
+    found = _rs_state_for(fsdp_params)
     if found is not None:
         state, param_group = found
         call = fsdp_internals.REDUCE_SIGNATURE.bind(
             fsdp_params, unsharded_grads, reduce_scatter_group, *args, **kwargs
         )
         call.apply_defaults()
-        custom_comm = _custom_comm_reason(state, param_group)
-        result = reduce_or_reason(
-            state, param_group, fsdp_params, unsharded_grads, call.arguments, custom_comm
+        reason = _dispatch_reason(state, param_group, reduce_scatter_group)
+        result = try_reduce(
+            state, param_group, fsdp_params, unsharded_grads, call.arguments, reason
         )
-        if isinstance(result, TideReduceResult):
+        if result is not None:
             if fsdp_internals.REDUCE_RETURNS_STREAM:
                 return tuple(result)
             return (result[0], result[1], *result[3:])
-        _say_stock_once(state, result)
     return _originals["foreach_reduce"](
         fsdp_params, unsharded_grads, reduce_scatter_group, *args, **kwargs
     )

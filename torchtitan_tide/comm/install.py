@@ -35,6 +35,7 @@ from .reduce_scatter import WIRE_DTYPES, RSBuffers, TideRSState, wire_label
 from .setup_steps import SetupSteps
 from .transport import (
     AllGatherTransport,
+    CrossNodeTransport,
     ReduceScatterTransport,
     clear_global_ranks,
     group_global_ranks,
@@ -47,7 +48,7 @@ from .transport.one_sided import (
     ag_window_bytes,
     rs_window_bytes,
 )
-from .transport.p2p import P2PTransport
+from .transport.p2p import P2PCrossNode, P2PTransport
 
 __all__ = ["TideConfigError", "TideContext", "TideInstallError", "install", "uninstall"]
 
@@ -571,6 +572,7 @@ def _mark_groups(
     multi_root = len({c.root for c in cands}) > 1
     p2p_by_key: dict[tuple[int, torch.device], P2PTransport] = {}
     buffers_by_key: dict[tuple[int, torch.device], RSBuffers] = {}
+    p2p_cross_by_key: dict[tuple[int, torch.device], P2PCrossNode] = {}
     for c in cands:
         key = (id(c.group), c.device)
         sided = one_sided.get(key, _OneSided())
@@ -614,6 +616,9 @@ def _mark_groups(
             if buffers.wire_dtype != torch.float32:  # partials rounded for the wire: put too
                 buffers.send = sided.rs.wire_slot(buffers.wire_dtype)
         layout = c.plan.layout
+        cross_node: CrossNodeTransport | None = None
+        if layout.num_nodes > 1:
+            cross_node = sided.rs or p2p_cross_by_key.setdefault(key, P2PCrossNode(c.device))
         # Several FSDP roots have one reduce-scatter stream each; staging shared by
         # the groups of a process group is only safe on one stream: TIDE's.
         on_tide_stream = shared or (multi_root and c.device.type == "cuda")
@@ -631,7 +636,8 @@ def _mark_groups(
                 ctas=options.rs_ctas,
                 use_tide_stream=on_tide_stream,
                 fsdp_comm=getattr(c.pg, "_reduce_scatter_comm", None),
-                cross_node=sided.rs,
+                cross_node=cross_node,
+                param_fqns=tuple(p.fqn for p in c.plan.params),
             ),
         )
         wire = wire_label(buffers.wire_dtype)

@@ -32,7 +32,9 @@ import os
 
 import torch
 
-__all__ = ["accumulate_rows", "triton_status"]
+from . import streams
+
+__all__ = ["accumulate_beside", "accumulate_rows", "triton_status"]
 
 logger = logging.getLogger(__name__)
 
@@ -191,4 +193,23 @@ def accumulate_rows(
         NUM_PROGRAMS=programs,
         STREAMING=streaming,
         num_warps=num_warps,
+    )
+
+
+def accumulate_beside(
+    rows: torch.Tensor, out: torch.Tensor, *, accumulate: bool, divisor: float, num_ctas: int
+) -> None:
+    """:func:`accumulate_rows` as TIDE-RS phase 1 runs it: on CUDA on the
+    low-priority ``tide_rs_accumulate`` stream (``streams``), ordered after
+    everything queued on the current stream (the round's copies) and before anything
+    it queues next (the next round's barrier, so no peer overwrites ``rows`` early);
+    on the CPU inline."""
+    if rows.device.type != "cuda":
+        accumulate_rows(rows, out, accumulate=accumulate, divisor=divisor, num_ctas=num_ctas)
+        return
+    streams.run_beside(
+        streams.stream("tide_rs_accumulate", rows.device),
+        lambda: accumulate_rows(
+            rows, out, accumulate=accumulate, divisor=divisor, num_ctas=num_ctas
+        ),
     )

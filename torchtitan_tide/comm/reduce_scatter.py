@@ -2,18 +2,25 @@
 
 Replaces, for TIDE groups only, FSDP2's ``foreach_reduce`` (``chunk_cat`` of
 every gradient into a flat full-group fp32 buffer, then one NCCL
-reduce-scatter); ``fsdp_patch`` dispatches to :func:`reduce_or_reason`, which
-decides whether TIDE-RS can take the reduce and runs :func:`tide_reduce`.
+reduce-scatter); ``fsdp_patch`` dispatches to :func:`try_reduce`, which
+decides whether TIDE-RS can take the reduce (or logs, once per reason, why
+FSDP2's path takes it) and runs :func:`tide_reduce`. This module decides and
+orders; it moves and sums no bytes itself: per round the node-local transport
+(``reduce_rows``), per other node the cross-node transport (``reduce_partial``),
+each summing what it received into the output with ``kernels``. None of them
+calls back into this module.
 
 Phase 1, node-local (``plan.rs_schedule``): every rank pushes its slices of
 its gradients, read where autograd left them, into local peers' staging rows
 (copy engine: one ``cudaMemcpyBatchAsync`` per round into symmetric memory;
-or send/recv), then a few-CTA kernel (``kernels.accumulate_rows``) sums the
-rows in fp32. bf16 moves, fp32 accumulates.
+or send/recv), then the transport sums the rows it received in fp32 with a
+few-CTA kernel (``kernels.accumulate_beside``). bf16 moves, fp32 accumulates.
 
 Phase 2, cross-node (more than one node): each fp32 partial goes to the rank
-of the same local index on its node over point-to-point (NCCL; gloo on CPU),
-the received partial is added into the output (in fp32). On the wire the
+of the same local index on its node through the cross-node transport
+(``transport.p2p.P2PCrossNode``: NCCL send/recv, gloo on CPU; or
+``transport.one_sided.OneSidedCrossNode``: NCCL puts), the received partial is
+added into the output (in fp32). On the wire the
 partial is fp32, or with ``[tide] rs_wire_dtype = "bfloat16"`` rounded once to
 bf16 (:func:`round_to_wire`: half the bytes, one bf16 rounding per partial;
 docs/2026-12-02-rs-wire.md). It runs on its own stream:
@@ -27,14 +34,16 @@ Streams and ownership (CUDA):
   reduce-scatter stream). It first waits for the compute stream (the
   gradients are ready when FSDP calls us). Gradients are read on it, so each
   gets ``record_stream(comm)`` before FSDP drops its references.
-- ``cross``: one stream per device for phase 2 (``streams``). The output is
+- ``cross``: one stream per device for phase 2 (``streams``; the one-sided
+  transport's puts and waits run beside it on their own). The output is
   allocated on ``comm`` and ``record_stream(cross)``-ed when phase 2 writes it.
 - The output (``[sum of padded shard numels]`` fp32, FSDP's reduce-output
   layout) becomes the sharded gradients (views) exactly as in FSDP2, on the
   stream of the last write (``post_reduce_stream``), which records the
   post-reduce event FSDP waits before the optimizer.
-- Ring buffers, staging and slots are owned by :class:`RSBuffers` (one per
-  process group and device) and live until ``comm.remove``.
+- The partial ring and the wire send buffer are owned by :class:`RSBuffers`,
+  staging rows and receive buffers by the transports (one per process group and
+  device); all live until ``comm.remove``.
 """
 
 from __future__ import annotations
@@ -47,10 +56,12 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import kernels, streams, watchdog
+from . import kernels, streams
 from .options import RS_WIRE_DTYPES
 from .plan import RSChunk, RSPlan, WorldLayout, build_rs_plan
-from .transport import ReduceScatterTransport, global_rank
+from .poison import poisoned as _poisoned
+from .poison import set_poison
+from .transport import CrossNodeTransport, ReduceScatterTransport
 
 __all__ = [
     "WIRE_DTYPES",
@@ -59,13 +70,14 @@ __all__ = [
     "TideRSState",
     "TideReduceResult",
     "check_gradient_sets",
-    "reduce_or_reason",
     "round_to_wire",
     "rows_per_round",
     "rs_numerics_note",
     "rs_unsupported_reason",
+    "say_stock_once",
     "set_poison",
     "tide_reduce",
+    "try_reduce",
     "wire_label",
 ]
 
@@ -75,41 +87,24 @@ logger = logging.getLogger(__name__)
 WIRE_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in RS_WIRE_DTYPES}
 _SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
-# Tests: a value written into every output, partial and staging buffer before
-# TIDE-RS writes it (e.g. NaN), so an element it fails to write shows.
-_poison: dict[str, float | None] = {"value": None}
-
-
-def set_poison(value: float | None) -> None:
-    """Fill every TIDE-RS output/partial/receive buffer with ``value`` right
-    after it is taken (None: off, the default). For tests only."""
-    _poison["value"] = value
-
-
-def _poisoned(t: torch.Tensor) -> torch.Tensor:
-    if _poison["value"] is not None:
-        t.fill_(_poison["value"])
-    return t
-
 
 @dataclass
 class RSBuffers:
     """Phase-2 buffers of one process group on one device (grown to the largest
     group on first use): a ring of ``inflight`` fp32 partials, each with the
-    event after which phase 2 no longer reads it; one receive buffer and (wire
-    dtype other than fp32) one send buffer, both in ``wire_dtype``.
+    event after which phase 2 no longer reads it; (wire dtype other than fp32)
+    one send buffer in ``wire_dtype``. The receive buffer is the cross-node
+    transport's.
 
-    One send and one receive buffer suffice: phase 2 runs in order on one stream
-    (``cross``; the host on CPU), and waits for each send/receive on it before
-    the accumulate, so the next rounding into ``send`` and the next receive into
-    ``recv`` come after the previous transfer finished with them."""
+    One send buffer suffices: phase 2 runs in order on one stream (``cross``; the
+    host on CPU), and waits for each send on it before the accumulate, so the
+    next rounding into ``send`` comes after the previous transfer finished with it."""
 
     inflight: int
     wire_dtype: torch.dtype = torch.float32
     partials: list[torch.Tensor] = field(default_factory=list)
     partial_free: list[torch.Event | None] = field(default_factory=list)
     send: torch.Tensor | None = None
-    recv: torch.Tensor | None = None
     next_partial: int = 0
     sent_bytes: int = 0  # phase-2 bytes this rank posted to other nodes (benchmarks read it)
     # the ring is a set of views of a registered window (one-sided): never reallocated
@@ -147,12 +142,6 @@ class RSBuffers:
             self.send = torch.empty(numel, dtype=self.wire_dtype, device=device)
         return _poisoned(self.send.narrow(0, 0, numel))
 
-    def take_recv(self, numel: int, device: torch.device) -> torch.Tensor:
-        """A ``wire_dtype`` view of ``numel`` elements to receive a partial into (phase 2's stream)."""
-        if self.recv is None or self.recv.numel() < numel:
-            self.recv = torch.empty(numel, dtype=self.wire_dtype, device=device)
-        return _poisoned(self.recv.narrow(0, 0, numel))
-
 
 def round_to_wire(partial: torch.Tensor, buffers: RSBuffers) -> torch.Tensor:
     """The phase-2 tensor to send for the fp32 ``partial``: ``partial`` itself
@@ -170,9 +159,11 @@ def round_to_wire(partial: torch.Tensor, buffers: RSBuffers) -> torch.Tensor:
 class TideRSState:
     """TIDE-RS state of one FSDPParamGroup, made by ``install``, read by ``fsdp_patch``.
 
-    ``transport`` implements ``exchange_rows`` (copy engine or point-to-point);
+    ``transport`` implements ``reduce_rows`` (copy engine or point-to-point);
+    ``cross_node`` the cross-node phase (more than one node; None on one node);
     ``use_tide_stream``: phase 1 runs on TIDE's all-gather stream (slots shared
-    with TIDE-AG) instead of FSDP's reduce-scatter stream."""
+    with TIDE-AG) instead of FSDP's reduce-scatter stream; ``param_fqns``: the
+    FQNs of the group's parameters, in ``fsdp_params`` order (error messages)."""
 
     layout: WorldLayout
     rank: int
@@ -185,9 +176,10 @@ class TideRSState:
     use_tide_stream: bool
     # The group's FSDP2 reduce-scatter comm object at install (see TideGroupState).
     fsdp_comm: object = None
-    # Phase 2 over NCCL one-sided puts (``transport.one_sided.OneSidedCrossNode``, shared
-    # by the process group's FSDP groups); None: point-to-point send/recv.
-    cross_node: object = None
+    # Phase 2 (``transport.p2p.P2PCrossNode`` or ``transport.one_sided.OneSidedCrossNode``,
+    # shared by the process group's FSDP groups); None on one node.
+    cross_node: CrossNodeTransport | None = None
+    param_fqns: tuple[str, ...] = ()
     calls: int = 0
     stock_reasons: set[str] = field(default_factory=set)
     # HSDP: the pending partial sum of microbatches without all-reduce is TIDE-RS's.
@@ -250,10 +242,9 @@ def check_gradient_sets(state: TideRSState, param_group, fsdp_params: list) -> N
     masks = [m.tolist() for m in masks]
     if all(m == masks[0] for m in masks):
         return
-    from .fsdp_internals import param_fqn
-
+    names = state.param_fqns or tuple(f"parameter {i}" for i in range(len(members)))
     missing = {
-        rank: [param_fqn(fp, {}) for fp, has in zip(members, m) if not has]
+        rank: [name for name, has in zip(names, m) if not has]
         for rank, m in enumerate(masks)
         if not all(m)
     }
@@ -334,18 +325,19 @@ def rows_per_round(state: TideRSState, shard_numel: int, itemsize: int) -> int:
 
 def stock_reason(
     state: TideRSState, fsdp_params: list, unsharded_grads: list[torch.Tensor], call: dict,
-    custom_comm: str | None = None,
+    dispatch_reason: str | None = None,
 ) -> tuple[str | None, int]:
     """``(why this reduce must take FSDP2's path or None, TIDE-RS rows per round)``
-    for FSDP2's ``foreach_reduce`` arguments ``call``; ``custom_comm``: the
-    dispatcher's reason (a custom reduce-scatter set after ``comm.apply``).
+    for FSDP2's ``foreach_reduce`` arguments ``call``; ``dispatch_reason``: the
+    dispatcher's reason (a custom reduce-scatter set after ``comm.apply``, another
+    reduce-scatter process group), checked first.
 
     Raises:
         RuntimeError: FSDP2's path would mix the two paths' partial sums of HSDP
             microbatches without all-reduce (TIDE's are divided already, FSDP2's
             are not: a silent scale error).
     """
-    reason, rows = custom_comm, 0
+    reason, rows = dispatch_reason, 0
     if reason is None:
         reason = rs_unsupported_reason(
             unsharded_grads, call["reduce_dtype"], call["orig_dtype"], call["all_reduce_group"],
@@ -372,21 +364,31 @@ def stock_reason(
     return reason, rows
 
 
-def reduce_or_reason(
+def say_stock_once(state: TideRSState, reason: str) -> None:
+    """Log, once per group and reason, that a reduce of a TIDE-RS group takes FSDP2's path."""
+    if reason not in state.stock_reasons:
+        state.stock_reasons.add(reason)
+        logger.warning("TIDE-RS %s: FSDP2 reduce-scatter for this reduce: %s", state.fqn, reason)
+
+
+def try_reduce(
     state: TideRSState,
     param_group,
     fsdp_params: list,
     unsharded_grads: list[torch.Tensor],
     call: dict,
-    custom_comm: str | None = None,
-) -> TideReduceResult | str:
+    dispatch_reason: str | None = None,
+) -> TideReduceResult | None:
     """One FSDP2 ``foreach_reduce`` of a TIDE-RS group (``call``: its bound
-    arguments, defaults applied): reduced by :func:`tide_reduce`, or the reason it
-    must take FSDP2's path (:func:`stock_reason`; nothing was reduced then).
+    arguments, defaults applied; ``dispatch_reason``: the dispatcher's reason for
+    FSDP2's path, or None): reduced by :func:`tide_reduce`, or None when it must
+    take FSDP2's path (:func:`stock_reason`, logged once per reason by
+    :func:`say_stock_once`; nothing was reduced then, the caller runs FSDP2's).
     Collective on the TIDE path (:func:`check_gradient_sets`)."""
-    reason, rows = stock_reason(state, fsdp_params, unsharded_grads, call, custom_comm)
+    reason, rows = stock_reason(state, fsdp_params, unsharded_grads, call, dispatch_reason)
     if reason is not None:
-        return reason
+        say_stock_once(state, reason)
+        return None
     check_gradient_sets(state, param_group, fsdp_params)
     if state.calls == 0 and (note := rs_numerics_note(
         unsharded_grads, call["reduce_dtype"], call["orig_dtype"]
@@ -403,23 +405,6 @@ def reduce_or_reason(
     )  # fmt: skip
     state.partial_from_tide = result.partial_reduce_output is not None
     return result
-
-
-def _accumulate_phase1(
-    rows: torch.Tensor, target: torch.Tensor, first: bool, divisor: float, ctas: int
-) -> None:
-    """The phase-1 kernel on the low-priority accumulate stream (CUDA), ordered
-    after the round's copies and before anything the current stream does next
-    (the next round's barrier must not let peers overwrite ``rows`` early)."""
-    if rows.device.type != "cuda":
-        kernels.accumulate_rows(rows, target, accumulate=not first, divisor=divisor, num_ctas=ctas)
-        return
-    streams.run_beside(
-        streams.stream("tide_rs_accumulate", rows.device),
-        lambda: kernels.accumulate_rows(
-            rows, target, accumulate=not first, divisor=divisor, num_ctas=ctas
-        ),
-    )
 
 
 def _stream_ctx(stream: torch.Stream | None):
@@ -452,38 +437,28 @@ def _cross_node_step(
     cross: torch.Stream | None,
 ) -> None:
     """Phase 2 for ``chunk`` (another node's): send ``partial`` (fp32) to its owner
-    in the wire dtype (:func:`round_to_wire`), add the partial received for this rank
-    (wire dtype) into ``out`` in fp32 (divided by ``divisor`` when it is the last
-    addition); the peers are the plan's (``chunk.cross_peers``). CUDA: on ``cross``,
-    after phase 1 of this chunk."""
-    layout, rank, group = state.layout, state.rank, state.group
-    assert chunk.cross_peers is not None, "the own node's chunk has no cross-node step"
+    in the wire dtype (:func:`round_to_wire`) through the cross-node transport, add
+    the partial received for this rank (wire dtype) into ``out`` in fp32 (divided by
+    ``divisor`` when it is the last addition); the peers are the plan's
+    (``chunk.cross_peers``). CUDA: on ``cross``, after phase 1 of this chunk."""
+    layout = state.layout
+    assert chunk.cross_peers is not None and state.cross_node is not None, (
+        "the own node's chunk (or a one-node layout) has no cross-node step"
+    )
     send_peer, recv_peer = chunk.cross_peers
-    chunk_node = chunk.chunk_node
-    device = out.device
+    step = (chunk.chunk_node - layout.node_of(state.rank)) % layout.num_nodes
     if cross is not None:
-        cross.wait_stream(torch.cuda.current_stream(device))
+        cross.wait_stream(torch.cuda.current_stream(out.device))
     with _stream_ctx(cross):
         send = round_to_wire(partial, state.buffers)
-        if state.cross_node is not None:  # one-sided: put into the owner's window
-            step = (chunk_node - layout.node_of(rank)) % layout.num_nodes
-            recv = state.cross_node.exchange(send, send_peer, recv_peer, step, group)
-        else:
-            recv = state.buffers.take_recv(out.numel(), device)
-            peers = (global_rank(group, send_peer), global_rank(group, recv_peer))
-            ops = [
-                dist.P2POp(dist.isend, send, peers[0], group),
-                dist.P2POp(dist.irecv, recv, peers[1], group),
-            ]
-            watchdog.wait_works(dist.batch_isend_irecv(ops), "TIDE-RS cross-node p2p", group,
-                                peers, device)  # fmt: skip
+        state.cross_node.reduce_partial(
+            send, send_peer, recv_peer, step, state.group, out, divisor=divisor,
+            num_ctas=state.ctas,
+        )  # fmt: skip
         state.buffers.sent_bytes += send.numel() * send.element_size()
         if cross is not None:
             partial.record_stream(cross)  # allocated on the phase-1 stream
             state.buffers.partial_free[partial_slot] = cross.record_event()
-        kernels.accumulate_rows(
-            recv.view(1, -1), out, accumulate=True, divisor=divisor, num_ctas=state.ctas
-        )
 
 
 @torch.no_grad()
@@ -541,11 +516,11 @@ def tide_reduce(
             state.fqn, len(grads), shard_numel, grads[0].dtype if grads else None,
             layout.shape, kernels.triton_status() if cuda else "torch",
             "" if num_nodes == 1 else
-            f", cross-node {'nccl_one_sided' if state.cross_node is not None else 'p2p'}, "
+            f", cross-node {state.cross_node.name if state.cross_node else None}, "
             f"{wire_label(state.buffers.wire_dtype)}",
         )  # fmt: skip
     state.calls += 1
-    if num_nodes > 1 and state.cross_node is not None:
+    if state.cross_node is not None and num_nodes > 1:
         state.cross_node.begin_reduce()
 
     with _stream_ctx(comm):
@@ -558,11 +533,11 @@ def tide_reduce(
             else:
                 slot, target = state.buffers.take_partial(shard_numel, device)
             for rnd, pushes in zip(chunk.rounds, chunk.pushes):
-                staged = state.transport.exchange_rows(
-                    layout, rank, rnd, pushes, grads, segments, shard_numel, state.group
-                )
                 divisor = final_divisor if (own and num_nodes == 1 and rnd.last) else 1.0
-                _accumulate_phase1(staged, target, rnd.first, divisor, state.ctas)
+                state.transport.reduce_rows(
+                    layout, rank, rnd, pushes, grads, segments, state.group, target,
+                    divisor=divisor, num_ctas=state.ctas,
+                )  # fmt: skip
             if chunk.cross_peers is not None:
                 is_last = chunk.chunk_node == (node + num_nodes - 1) % num_nodes
                 _cross_node_step(

@@ -1,4 +1,7 @@
-"""Transports of TIDE-AG behind one small interface.
+"""TIDE's transports behind three small interfaces: TIDE-AG's ``gather``, TIDE-RS's
+node-local ``reduce_rows`` and its cross-node ``reduce_partial``. A transport owns
+its staging and receive buffers: TIDE-RS's transports also sum what they received
+into the caller's fp32 output (``kernels``), so no buffer of theirs is read outside.
 
 A transport fills the non-own shard slots of every parameter's unsharded
 storage of one FSDP group. Contract of :meth:`AllGatherTransport.gather`:
@@ -16,9 +19,10 @@ storage of one FSDP group. Contract of :meth:`AllGatherTransport.gather`:
   not stream-ordered; the caller waits it before FSDP reads the storage.
 
 Current transports: ``p2p`` (``dist.batch_isend_irecv`` on the group's backend:
-gloo on CPU, NCCL on GPU) and ``copy_engine`` (one node, peers pull from
-symmetric memory with one ``cudaMemcpyBatchAsync``). A zero-SM transport on
-NCCL >= 2.29 one-sided puts would implement the same method.
+gloo on CPU, NCCL on GPU), ``copy_engine`` (one node, peers pull from
+symmetric memory with one ``cudaMemcpyBatchAsync``) and ``one_sided`` (NCCL
+>= 2.30 puts into registered windows: TIDE-AG with one rank per node, TIDE-RS
+phase 2). Transports import nothing of the modules that call them.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ import torch.distributed as dist
 from ..plan import GroupPlan, RSRound, RSSegment, RSSlice, WorldLayout
 
 __all__ = [
-    "AllGatherTransport", "ReduceScatterTransport", "clear_global_ranks", "global_rank",
-    "group_global_ranks",
+    "AllGatherTransport", "CrossNodeTransport", "ReduceScatterTransport", "clear_global_ranks",
+    "global_rank", "group_global_ranks",
 ]  # fmt: skip
 
 # Keyed by the group object itself (a strong reference: no other group can reuse
@@ -71,13 +75,15 @@ class AllGatherTransport(Protocol):
 
 
 class ReduceScatterTransport(Protocol):
-    """Node-local phase of TIDE-RS: ``exchange_rows`` moves this rank's ``pushes`` of
-    one round (decided by the plan: ``plan.RSChunk.pushes``) and returns its received rows
-    ``[len(rnd.recvs), row_numel]`` in the gradients' dtype, complete on the
-    current stream (CUDA) or the host (gloo). Implemented by the copy-engine and
-    point-to-point transports."""
+    """Node-local phase of TIDE-RS (copy-engine and point-to-point transports):
+    ``reduce_rows`` moves this rank's ``pushes`` of one round (decided by the plan:
+    ``plan.RSChunk.pushes``) and sums the rows it received, ``[len(rnd.recvs),
+    target.numel()]`` in the gradients' dtype, into ``target`` (fp32, this rank's
+    shard or partial): overwritten in the chunk's first round (``rnd.first``), added
+    to after, divided by ``divisor``; queued on the current stream (CUDA) or done
+    (gloo) on return."""
 
-    def exchange_rows(
+    def reduce_rows(
         self,
         layout: WorldLayout,
         rank: int,
@@ -85,6 +91,28 @@ class ReduceScatterTransport(Protocol):
         pushes: tuple[RSSlice, ...],
         grads: list[torch.Tensor],
         segments: tuple[RSSegment, ...],
-        row_numel: int,
         group: dist.ProcessGroup,
-    ) -> torch.Tensor: ...
+        target: torch.Tensor,
+        *,
+        divisor: float,
+        num_ctas: int,
+    ) -> None: ...
+
+
+class CrossNodeTransport(Protocol):
+    """Cross-node phase of TIDE-RS (``p2p.P2PCrossNode``, ``one_sided.OneSidedCrossNode``):
+    ``begin_reduce`` once per reduce with a cross-node phase, then per other node's
+    chunk ``reduce_partial``: ``send`` (this rank's partial for group rank
+    ``send_peer``, 1-D, the wire dtype) out, the partial of group rank ``recv_peer``
+    (same dtype and numel) in and added into ``out`` (fp32, divided by ``divisor``);
+    queued on the current stream (CUDA) or done (gloo) on return. ``step``: the plan's
+    cross-node step, ``1 .. num_nodes - 1``."""
+
+    name: str
+
+    def begin_reduce(self) -> None: ...
+
+    def reduce_partial(
+        self, send: torch.Tensor, send_peer: int, recv_peer: int, step: int,
+        group: dist.ProcessGroup, out: torch.Tensor, *, divisor: float, num_ctas: int,
+    ) -> None: ...  # fmt: skip

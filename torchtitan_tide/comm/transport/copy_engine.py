@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .. import watchdog
+from .. import kernels, watchdog
 from ..memory_plan import slot_alloc_bytes
 from ..plan import (
     GroupPlan,
@@ -502,7 +502,7 @@ class CopyEngineTransport:
 
     # ------------------------------------------------------------ TIDE-RS
 
-    def exchange_rows(
+    def reduce_rows(
         self,
         layout: WorldLayout,
         rank: int,
@@ -510,15 +510,20 @@ class CopyEngineTransport:
         pushes: tuple[RSSlice, ...],
         grads: list[torch.Tensor],
         segments: tuple[RSSegment, ...],
-        row_numel: int,
         group: dist.ProcessGroup,
-    ) -> torch.Tensor:
+        target: torch.Tensor,
+        *,
+        divisor: float,
+        num_ctas: int,
+    ) -> None:
         """One node-local TIDE-RS round (``plan.rs_schedule``): push this rank's
         gradient slices (``pushes``, from the plan) straight from ``grads`` (flat, where autograd left
         them) into the local peers' staging rows, in ONE batch of copy-engine
-        copies, then the node-local barrier. Returns this rank's received rows
-        ``[len(rnd.recvs), row_numel]`` (a view of its slot; valid until the
-        next round on these slots), in the gradients' dtype.
+        copies, then the node-local barrier; then sum this rank's received rows
+        ``[len(rnd.recvs), target.numel()]`` (a view of its slot, in the gradients'
+        dtype) into ``target`` (``kernels.accumulate_beside``: ``target`` overwritten
+        in round ``rnd.first``, added to after; divided by ``divisor``), before the
+        next round's barrier can let a peer overwrite them.
 
         Slot protocol: the same as the all-gather (round counter shared when
         the slots are shared): the barrier of round r proves every local peer
@@ -528,7 +533,7 @@ class CopyEngineTransport:
         del group  # node-local only: the slots' handle does the synchronization
         slots = self.slots
         dtype, itemsize = grads[0].dtype, grads[0].element_size()
-        rows_used = len(rnd.recvs)
+        rows_used, row_numel = len(rnd.recvs), target.numel()
         if rows_used * row_numel * itemsize > slots.slot_bytes:
             raise AssertionError(
                 f"TIDE-RS staging too small: {rows_used} x {row_numel} x {itemsize} B "
@@ -551,8 +556,11 @@ class CopyEngineTransport:
                 dst = slots.peer_bufs[p.peer].narrow(0, dst_byte(p), p.numel * itemsize)
                 dst.view(dtype).copy_(grads[p.param_index].narrow(0, p.src_offset, p.numel))
         slots.barrier()
-        return (
+        rows = (
             slots.buffer.narrow(0, base, rows_used * row_numel * itemsize)
             .view(dtype)
             .view(rows_used, row_numel)
+        )
+        kernels.accumulate_beside(
+            rows, target, accumulate=not rnd.first, divisor=divisor, num_ctas=num_ctas
         )

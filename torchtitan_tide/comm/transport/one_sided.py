@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .. import streams, watchdog
+from .. import kernels, streams, watchdog
 from ..plan import GroupPlan
 from . import global_rank
 from .copy_engine import _runs, _try_batch, pack_own_shards
@@ -219,6 +219,18 @@ class OneSidedCrossNode:
 
     def _recv_offset(self, parity: int, step: int) -> int:
         return (self.inflight + parity * self.num_nodes + step) * self.region_bytes
+
+    def reduce_partial(
+        self, send: torch.Tensor, send_peer: int, recv_peer: int, step: int,
+        group: dist.ProcessGroup, out: torch.Tensor, *, divisor: float, num_ctas: int,
+    ) -> None:  # fmt: skip
+        """:meth:`exchange`, then the received partial added into ``out`` (fp32, divided
+        by ``divisor``) on the current stream, before a later reduce of the same parity
+        can put into its region again."""
+        recv = self.exchange(send, send_peer, recv_peer, step, group)
+        kernels.accumulate_rows(
+            recv.view(1, -1), out, accumulate=True, divisor=divisor, num_ctas=num_ctas
+        )
 
     def exchange(
         self, send: torch.Tensor, send_peer: int, recv_peer: int, step: int,

@@ -10,6 +10,9 @@ Ordering: steps depend on each other (recursive doubling forwards what the
 previous step received), so every wave is waited before the next is posted.
 On NCCL ``Work.wait()`` makes the current stream wait for the NCCL stream (no
 host block); on gloo it blocks the host.
+
+:class:`P2PCrossNode` is TIDE-RS phase 2 over the same send/recv: one partial
+to the owner's node, one from another node, per step.
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import watchdog
+from .. import kernels, watchdog
 from ..plan import Chunk, GroupPlan, RSRound, RSSegment, RSSlice, WorldLayout
+from ..poison import poisoned
 from . import global_rank
 
-__all__ = ["P2PTransport"]
+__all__ = ["P2PCrossNode", "P2PTransport"]
 
 
 def _byte_view(storage: torch.Tensor, chunk: Chunk) -> torch.Tensor:
@@ -72,7 +76,7 @@ class P2PTransport:
                                     (send_peer, recv_peer), self.device)  # fmt: skip
         return None
 
-    def exchange_rows(
+    def reduce_rows(
         self,
         layout: WorldLayout,
         rank: int,
@@ -80,16 +84,20 @@ class P2PTransport:
         pushes: tuple[RSSlice, ...],
         grads: list[torch.Tensor],
         segments: tuple[RSSegment, ...],
-        row_numel: int,
         group: dist.ProcessGroup,
-    ) -> torch.Tensor:
+        target: torch.Tensor,
+        *,
+        divisor: float,
+        num_ctas: int,
+    ) -> None:
         """One node-local TIDE-RS round (``plan.rs_schedule``) over send/recv:
         every slice of ``pushes`` (from the plan) goes straight from the sender's gradient into the
-        receiver's staging row (the own slice by a local copy). Returns the
-        received rows ``[len(rnd.recvs), row_numel]`` in the gradients' dtype,
-        complete on the current stream (NCCL) or on the host (gloo)."""
+        receiver's staging row (the own slice by a local copy); then the received rows
+        ``[len(rnd.recvs), target.numel()]`` (gradients' dtype) are summed into
+        ``target`` (``kernels.accumulate_beside``: overwritten in round ``rnd.first``,
+        added to after; divided by ``divisor``) before the staging is reused."""
         dtype, itemsize = grads[0].dtype, grads[0].element_size()
-        rows_used = len(rnd.recvs)
+        rows_used, row_numel = len(rnd.recvs), target.numel()
         nbytes = rows_used * row_numel * itemsize
         if self.staging is None or self.staging.numel() < nbytes:
             self.staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -118,4 +126,55 @@ class P2PTransport:
             peers = tuple(sorted({op.peer for op in ops}))
             watchdog.wait_works(dist.batch_isend_irecv(ops), "TIDE-RS p2p rows", group, peers,
                                 self.device)  # fmt: skip
-        return rows
+        kernels.accumulate_beside(
+            rows, target, accumulate=not rnd.first, divisor=divisor, num_ctas=num_ctas
+        )
+
+
+class P2PCrossNode:
+    """TIDE-RS phase 2 over point-to-point (NCCL send/recv; gloo on CPU): one instance
+    per (process group, ``device``), shared by its FSDP groups like ``RSBuffers``.
+
+    It owns one receive buffer (grown to the largest partial, any dtype): phase 2
+    runs in order on one stream (``cross``; the host on CPU) and each received
+    partial is summed (:meth:`reduce_partial`) on that stream before the next
+    exchange, so one buffer suffices."""
+
+    name = "p2p"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.recv: torch.Tensor | None = None  # uint8
+
+    def begin_reduce(self) -> None:
+        """Called once per TIDE-RS reduce with a cross-node phase (nothing to do here)."""
+
+    def reduce_partial(
+        self, send: torch.Tensor, send_peer: int, recv_peer: int, step: int,
+        group: dist.ProcessGroup, out: torch.Tensor, *, divisor: float, num_ctas: int,
+    ) -> None:  # fmt: skip
+        """Send ``send`` (1-D, any dtype) to group rank ``send_peer``, receive the
+        partial of group rank ``recv_peer`` (same dtype and numel) and add it into
+        ``out`` (fp32, divided by ``divisor``), on the current stream (NCCL) or the
+        host (gloo). ``step``: the plan's cross-node step (unused here)."""
+        recv = self._exchange(send, send_peer, recv_peer, group)
+        kernels.accumulate_rows(
+            recv.view(1, -1), out, accumulate=True, divisor=divisor, num_ctas=num_ctas
+        )
+
+    def _exchange(
+        self, send: torch.Tensor, send_peer: int, recv_peer: int, group: dist.ProcessGroup
+    ) -> torch.Tensor:
+        """``send`` out, the peer's partial in (this transport's receive buffer)."""
+        nbytes = send.numel() * send.element_size()
+        if self.recv is None or self.recv.numel() < nbytes:
+            self.recv = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        recv = poisoned(self.recv.narrow(0, 0, nbytes).view(send.dtype))
+        peers = (global_rank(group, send_peer), global_rank(group, recv_peer))
+        ops = [
+            dist.P2POp(dist.isend, send, peers[0], group),
+            dist.P2POp(dist.irecv, recv, peers[1], group),
+        ]
+        watchdog.wait_works(dist.batch_isend_irecv(ops), "TIDE-RS cross-node p2p", group,
+                            peers, self.device)  # fmt: skip
+        return recv
