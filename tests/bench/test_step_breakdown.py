@@ -141,7 +141,7 @@ def test_gpu_breakdown_of_a_real_one_gpu_step(tmp_path, repo):
         capture_output=True, text=True, timeout=420, cwd=repo, env=env, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (js,) = tmp_path.glob("*_step_debug_model.json")
+    (js,) = tmp_path.glob("*_step_world1_debug_model.json")
     res = json.loads(js.read_text())
     breakdown = res["runs"]["fsdp2"][0]["breakdown"]
     assert "error" not in breakdown, breakdown
