@@ -5,11 +5,15 @@ protocol tests need 2 GPUs (test_gpu.py). This test runs the same method on one 
 ``L`` node-local "ranks": one thread each, each with its own stream and its own slot buffer
 (plain device memory standing in for the symmetric buffers: the peers' buffers are the
 other threads' tensors, so ``cudaMemcpyBatchAsync`` really pushes into them). The slot
-barrier is replaced by one that waits for the thread's stream and then for every other
-thread (what the real barrier proves: every peer's pushes landed); one thread runs
-outside the barrier at a time. Checked: every rank's fp32 shard equals the float64 sum of
-all ranks' bf16 gradient slices divided by the divisor, on NaN-poisoned outputs, over
-several rounds (2 source rows per round, 4 ranks) and the kernel's division.
+barrier is replaced by a device-side one with the real one's contract: each rank's stream
+waits for an event every rank recorded at the same barrier (the host only makes sure the
+events exist; it never waits for the device). Each rank has its own side streams, as each
+process has, and every accumulate kernel starts after a ~1 ms device sleep: were the
+accumulate not ordered before the next barrier, a peer's later round would overwrite the
+rows it reads (4 rounds over 2 slots). One thread runs outside the barrier at a time.
+Checked: every rank's fp32 shard equals the float64 sum of all ranks' bf16 gradient
+slices divided by the divisor, on NaN-poisoned outputs, over 1, 2 and 4 rounds and the
+kernel's division.
 """
 
 from __future__ import annotations
@@ -26,29 +30,61 @@ pytestmark = [
 
 
 class _ThreadBarrier:
-    """The slots' ``handle``: ``barrier`` waits for this thread's stream, then for
-    every rank's thread; ``lock`` is held by a thread whenever it runs outside it."""
+    """The slots' ``handle``: ``barrier`` records an event on this rank's current stream,
+    meets every rank's thread on the host, then makes the stream wait for every rank's
+    event of this barrier (device-side, like the real barrier). ``lock`` is held by a
+    thread whenever it runs outside the barrier."""
 
     def __init__(self, ranks: int) -> None:
         self.gate = threading.Barrier(ranks, timeout=60)
         self.lock = threading.Lock()
+        self.events: dict[tuple[int, int], torch.cuda.Event] = {}  # (barrier, rank)
+        self.seen = threading.local()
         self.calls = 0
 
     def barrier(self, channel: int = 0) -> None:
         del channel
-        torch.cuda.current_stream().synchronize()
+        index = getattr(self.seen, "count", 0)
+        self.seen.count = index + 1
+        stream = torch.cuda.current_stream()
+        self.events[(index, self.seen.rank)] = stream.record_event()
         self.calls += 1
         self.lock.release()
         try:
             self.gate.wait()
         finally:
             self.lock.acquire()
+        for (at, _), event in list(self.events.items()):
+            if at == index:
+                stream.wait_event(event)
 
 
 @pytest.mark.parametrize("local_ranks,rows,divisor", [(2, 2, 2.0), (4, 2, 4.0), (4, 1, 3.0)])
-def test_copy_engine_reduce_rows_sums_every_ranks_slices(local_ranks, rows, divisor):
+def test_copy_engine_reduce_rows_sums_every_ranks_slices(
+    local_ranks, rows, divisor, monkeypatch
+):
+    from torchtitan_tide.comm import kernels, streams
     from torchtitan_tide.comm.plan import WorldLayout, build_rs_plan
     from torchtitan_tide.comm.transport.copy_engine import CopyEngineTransport, SymmSlots
+
+    per_thread = threading.local()
+
+    def own_stream(name: str, device: torch.device) -> torch.cuda.Stream:
+        cache = per_thread.__dict__.setdefault("streams", {})
+        if name not in cache:
+            cache[name] = torch.cuda.Stream(device=device)
+        return cache[name]
+
+    accumulate_rows = kernels.accumulate_rows
+    launched = []
+
+    def late_accumulate(rows_in, out, **kwargs):
+        torch.cuda._sleep(2_000_000)  # ~1 ms of device time before the rows are read
+        launched.append(rows_in.shape)
+        accumulate_rows(rows_in, out, **kwargs)
+
+    monkeypatch.setattr(streams, "stream", own_stream)  # one set of side streams per "rank"
+    monkeypatch.setattr(kernels, "accumulate_rows", late_accumulate)
 
     device = torch.device("cuda", 0)
     layout = WorldLayout(local_ranks, local_ranks)
@@ -77,6 +113,7 @@ def test_copy_engine_reduce_rows_sums_every_ranks_slices(local_ranks, rows, divi
         transport = CopyEngineTransport(slots)
         plan = plans[rank]
         stream = torch.cuda.Stream(device=device)
+        sync.seen.rank = rank
         sync.lock.acquire()
         try:
             with torch.cuda.stream(stream):
@@ -99,10 +136,12 @@ def test_copy_engine_reduce_rows_sums_every_ranks_slices(local_ranks, rows, divi
         t.start()
     for t in threads:
         t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a rank thread hangs"
     assert not errors, errors
     rounds = len(plans[0].chunks[0].rounds)
     assert rounds == -(-local_ranks // rows)
     assert sync.calls == local_ranks * rounds, "the copy-engine round did not run"
+    assert len(launched) == local_ranks * rounds, "an accumulate did not run beside"
     for rank in range(local_ranks):
         for seg in plans[rank].segments:
             valid = seg.valid(rank)

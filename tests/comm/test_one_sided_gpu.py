@@ -124,7 +124,7 @@ def _parity(rank: int, world_size: int, transport: str) -> None:
             ags = [g._tide_ag_state.transport for g in groups]
             sides = [g._tide_rs_state.cross_node for g in groups]
             assert all(isinstance(t, OneSidedAllGather) for t in ags), ags
-            assert all(s is not None for s in sides), "TIDE-RS phase 2 is not one-sided"
+            assert all(s.name == "nccl_one_sided" for s in sides), "TIDE-RS phase 2 is not one-sided"
             opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
             opt_tide = torch.optim.AdamW(tide.parameters(), lr=1e-2, foreach=False)
             gen = torch.Generator().manual_seed(7 + rank)
@@ -286,7 +286,9 @@ def _bf16_wire(rank: int, world_size: int) -> None:
             comm.apply(model, "tide", local_world_size=1, cross_node_transport="nccl_one_sided",
                        rs_wire_dtype=wire)  # fmt: skip
             states = [g._tide_rs_state for _, g in fsdp_patch.fsdp_param_groups(model)]
-            assert all(s.cross_node is not None for s in states), "phase 2 is not one-sided"
+            assert all(s.cross_node.name == "nccl_one_sided" for s in states), (
+                "phase 2 is not one-sided"
+            )
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
             gen = torch.Generator().manual_seed(11 + rank)
             grads[wire] = []

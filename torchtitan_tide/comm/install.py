@@ -616,9 +616,11 @@ def _mark_groups(
             if buffers.wire_dtype != torch.float32:  # partials rounded for the wire: put too
                 buffers.send = sided.rs.wire_slot(buffers.wire_dtype)
         layout = c.plan.layout
-        cross_node: CrossNodeTransport | None = None
-        if layout.num_nodes > 1:
-            cross_node = sided.rs or p2p_cross_by_key.setdefault(key, P2PCrossNode(c.device))
+        cross_node: CrossNodeTransport | None = sided.rs
+        if layout.num_nodes > 1 and cross_node is None:
+            if key not in p2p_cross_by_key:
+                p2p_cross_by_key[key] = P2PCrossNode(c.device)
+            cross_node = p2p_cross_by_key[key]
         # Several FSDP roots have one reduce-scatter stream each; staging shared by
         # the groups of a process group is only safe on one stream: TIDE's.
         on_tide_stream = shared or (multi_root and c.device.type == "cuda")

@@ -2,8 +2,9 @@
 
 With a value set (NaN, say), an element TIDE-RS fails to write shows in the
 output. Off by default (``None``); set only by tests, never by training.
-Used by ``reduce_scatter`` (outputs, partials, send buffers) and the cross-node
-transports (receive buffers).
+Used by ``reduce_scatter`` (outputs, partials, send buffers) and the point-to-point
+cross-node transport (receive buffers; the one-sided transport's receive regions are
+written by peers' puts and not poisoned).
 """
 
 from __future__ import annotations

@@ -5,10 +5,12 @@ every gradient into a flat full-group fp32 buffer, then one NCCL
 reduce-scatter); ``fsdp_patch`` dispatches to :func:`try_reduce`, which
 decides whether TIDE-RS can take the reduce (or logs, once per reason, why
 FSDP2's path takes it) and runs :func:`tide_reduce`. This module decides and
-orders; it moves and sums no bytes itself: per round the node-local transport
-(``reduce_rows``), per other node the cross-node transport (``reduce_partial``),
-each summing what it received into the output with ``kernels``. None of them
-calls back into this module.
+orders; it sends nothing to a peer and sums nothing received: per round the
+node-local transport (``reduce_rows``), per other node the cross-node transport
+(``reduce_partial``), each summing what it received into the output with
+``kernels``. None of them calls back into this module. What stays here is local:
+rounding a partial to the wire dtype, zeroing padding, the HSDP partial sum and
+the hand-off to FSDP.
 
 Phase 1, node-local (``plan.rs_schedule``): every rank pushes its slices of
 its gradients, read where autograd left them, into local peers' staging rows
@@ -242,9 +244,9 @@ def check_gradient_sets(state: TideRSState, param_group, fsdp_params: list) -> N
     masks = [m.tolist() for m in masks]
     if all(m == masks[0] for m in masks):
         return
-    names = state.param_fqns or tuple(f"parameter {i}" for i in range(len(members)))
+    fqns = state.param_fqns or tuple(f"parameter {i}" for i in range(len(members)))
     missing = {
-        rank: [name for name, has in zip(names, m) if not has]
+        rank: [fqn for fqn, has in zip(fqns, m) if not has]
         for rank, m in enumerate(masks)
         if not all(m)
     }
@@ -520,7 +522,7 @@ def tide_reduce(
             f"{wire_label(state.buffers.wire_dtype)}",
         )  # fmt: skip
     state.calls += 1
-    if state.cross_node is not None and num_nodes > 1:
+    if state.cross_node is not None:
         state.cross_node.begin_reduce()
 
     with _stream_ctx(comm):
