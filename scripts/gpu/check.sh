@@ -87,6 +87,18 @@ fi
 
 # NCCL's own version line and what the loaded library reports, on one line.
 nccl_line() { grep -E 'NCCL version|^NCCL [0-9.]+ in use' "$1" | tail -2 | paste -sd '|' -; }
+# bundled_nccl_back NAME: after a stage ran on .nccl/'s library (nccl_swap.sh), check that
+# torch's bundled one is back, else stop: later stages (symm_mem under torch 2.11) must not
+# run on the swapped library.
+bundled_nccl_back() {
+  run "$1" 60 python3 scripts/gpu/nccl_version.py
+  note "  $(nccl_line "$LOGS/$1.log")"
+  if [[ "$(nccl_line "$LOGS/$1.log")" != "$(nccl_line "$LOGS/nccl_bundled.log")" ]]; then
+    note "$1: the bundled NCCL is NOT back (see nccl_swap.sh's log); stopping"
+    printf '%s\n' "${table[@]}"
+    exit 1
+  fi
+}
 
 if has emulation; then
   run nccl_bundled 60 python3 scripts/gpu/nccl_version.py
@@ -100,14 +112,7 @@ if has emulation; then
       'python3 scripts/gpu/nccl_version.py && python3 -m pytest -q -m "gpu and emulation and one_node" tests -p no:cacheprovider'
     note "  $(nccl_line "$LOGS/emulation_one_node.log")"
     note "  $(grep -E '(passed|failed|skipped|error)' "$LOGS/emulation_one_node.log" | tail -1)"
-    run nccl_restored 60 python3 scripts/gpu/nccl_version.py
-    note "  $(nccl_line "$LOGS/nccl_restored.log")"
-    if [[ "$(nccl_line "$LOGS/nccl_restored.log")" != "$(nccl_line "$LOGS/nccl_bundled.log")" ]]; then
-      # later stages (symm_mem under torch 2.11) must not run on the swapped library
-      note "nccl_restored: the bundled NCCL is NOT back (see nccl_swap.sh's log); stopping"
-      printf '%s\n' "${table[@]}"
-      exit 1
-    fi
+    bundled_nccl_back nccl_restored
   else
     note "emulation_one_node: skipped (no .nccl/ with NCCL >= 2.30: carry it, docs/2026-12-02-emulation.md)"
   fi
@@ -119,12 +124,7 @@ if has cross_node; then
     run bench_cross_node 300 bash scripts/gpu/nccl_swap.sh .nccl -- \
       python3 scripts/bench/bench_cross_node.py --emulation one_node --out-dir bench/results
     note "  $(grep -o 'results: .*' "$LOGS/bench_cross_node.log" | tail -1)"
-    run nccl_restored_cross 60 python3 scripts/gpu/nccl_version.py
-    if [[ "$(nccl_line "$LOGS/nccl_restored_cross.log")" != "$(nccl_line "$LOGS/nccl_bundled.log")" ]]; then
-      note "nccl_restored_cross: the bundled NCCL is NOT back (see nccl_swap.sh's log); stopping"
-      printf '%s\n' "${table[@]}"
-      exit 1
-    fi
+    bundled_nccl_back nccl_restored_cross
   else
     note "cross_node: skipped (no .nccl/ with NCCL >= 2.30: carry it)"
   fi
