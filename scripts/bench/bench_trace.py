@@ -192,6 +192,12 @@ def run(args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, Any]:
         per_iter = [trace_iteration(work, groups, marks, amp)
                     for _ in range(args.warmup + args.iters)]  # fmt: skip
         per_iter = per_iter[args.warmup :]
+        # The optimizer runs on rank 0's shards, not on the model: the model's gradients
+        # (fp32 at world 1: as large as the weights) are freed first, so AdamW's state fits
+        # where the trainer's does (Wan2.2 at world 1 ran out of memory without this).
+        work.model.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         optimizer = {
             v: common.median(bench_floor.time_iterations(
                 getattr(work, v), lambda: None, device, args.iters))
