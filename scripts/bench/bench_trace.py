@@ -193,8 +193,10 @@ def run(args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, Any]:
                     for _ in range(args.warmup + args.iters)]  # fmt: skip
         per_iter = per_iter[args.warmup :]
         # The optimizer runs on rank 0's shards, not on the model: the model's gradients
-        # (fp32 at world 1: as large as the weights) are freed first, so AdamW's state fits
-        # where the trainer's does (Wan2.2 at world 1 ran out of memory without this).
+        # (fp32 at world 1: as large as the weights) are freed first. At world 1 the shards
+        # are a second full fp32 copy of the model (bench_floor.Shards), so a model near the
+        # GPU's size still does not fit: Wan2.2 A14B 20 layers needs about 148 GB here
+        # (measured 2026-12-03: out of memory at AdamW's state on one H200).
         work.model.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
