@@ -10,7 +10,10 @@ starts) to the last gradient accumulated into one of its parameters (it is done)
 CUDA the marks are CUDA events on the current stream (device time, host-bound gaps
 inside a group included); on CPU the wall clock. What lies outside every group
 (the root: loss, final ops) is ``root_fwd_ms`` / ``root_bwd_ms``. Also the fused AdamW
-and grad-norm clip of rank 0's shards (bench_floor's ``adamw`` / ``clip``).
+and grad-norm clip of rank 0's shards (bench_floor's ``adamw`` / ``clip``); where they do
+not fit in memory beside the model, ``adamw_ms`` / ``clip_ms`` are null and
+``optimizer_error`` says why (the simulator then takes the optimizer from the config's
+other trace).
 
 ``--precision world1`` traces what the one-GPU trainer runs instead (TorchTitan applies
 no FSDP at world 1): fp32 weights, forward and loss under ``torch.autocast`` to
@@ -175,6 +178,24 @@ def world1_precision(work: bench_floor.FloorWork, job_config, device: torch.devi
     return lambda: torch.autocast(device.type, dtype=dtype)
 
 
+def time_optimizer(
+    work: bench_floor.FloorWork, device: torch.device, iters: int
+) -> tuple[dict[str, float | None], str | None]:
+    """Median ms of AdamW and of the clip on rank 0's shards, and None; when they do not
+    fit in memory beside the model (world 1: the shards are a second full fp32 copy),
+    ``None`` for both and the error: the layer trace measured before is kept."""
+    try:
+        return {
+            v: common.median(bench_floor.time_iterations(
+                getattr(work, v), lambda: None, device, iters))
+            for v in ("adamw", "clip")
+        }, None  # fmt: skip
+    except torch.OutOfMemoryError as e:
+        first_line = str(e).splitlines()[0]
+        print(f"[bench_trace] optimizer not timed: out of memory ({first_line})", flush=True)
+        return {"adamw": None, "clip": None}, f"out of memory: {first_line}"
+
+
 def run(args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, Any]:
     """Build bench_floor's work, time the marked fwd+bwd and the optimizer; the result
     dict (not yet written)."""
@@ -200,11 +221,7 @@ def run(args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, Any]:
         work.model.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        optimizer = {
-            v: common.median(bench_floor.time_iterations(
-                getattr(work, v), lambda: None, device, args.iters))
-            for v in ("adamw", "clip")
-        }  # fmt: skip
+        optimizer, optimizer_error = time_optimizer(work, device, args.iters)
     med = {k: common.median([it[k] for it in per_iter]) for k in per_iter[0]}
     rows = [
         {
@@ -226,6 +243,7 @@ def run(args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, Any]:
         "root_bwd_ms": med["root_bwd"],
         "adamw_ms": optimizer["adamw"],
         "clip_ms": optimizer["clip"],
+        "optimizer_error": optimizer_error,
         "iters": args.iters,
         "tables": [
             {"title": "Per FSDP group, one device (median ms)", "columns": COLUMNS, "rows": rows}
@@ -243,8 +261,10 @@ def write_outputs(stem: Path, result: dict[str, Any]) -> str:
         f"activation checkpointing {about['activation_checkpoint']}), median of "
         f"{result['iters']} iterations. fwd+bwd {result['fwd_bwd_ms']:.3f} ms, of which outside "
         f"every group (root) fwd {result['root_fwd_ms']:.3f} / bwd {result['root_bwd_ms']:.3f} "
-        f"ms; AdamW {result['adamw_ms']:.3f} ms, clip {result['clip_ms']:.3f} ms on rank 0's "
-        f"shards. Groups: {result['grouping']}.\n"
+        + (f"ms; AdamW {result['adamw_ms']:.3f} ms, clip {result['clip_ms']:.3f} ms on rank 0's "
+           "shards" if result["adamw_ms"] is not None
+           else f"ms; optimizer not timed ({result['optimizer_error']})")
+        + f". Groups: {result['grouping']}.\n"
     )
     names = [r["group"] for r in result["groups"]]
     charts = [

@@ -48,3 +48,27 @@ def test_trace_world1_precision_on_cpu(tmp_path):
     assert result["precision"] == "world1" and result["world_size"] == 1
     assert result["work"]["param_dtype"] == "float32 (autocast)"
     assert all(g["fwd_ms"] > 0 and g["bwd_ms"] > 0 for g in result["groups"])
+
+
+def test_an_optimizer_that_does_not_fit_keeps_the_trace():
+    """bench_trace.time_optimizer: out of memory in AdamW gives None and the error, so the
+    layer trace measured before it is still written (a world-1 Wan2.2 trace on one H200)."""
+    import torch
+
+    sys.path.insert(0, str(BENCH))
+    import bench_trace
+
+    calls: list[str] = []
+
+    class Work:
+        def adamw(self):
+            calls.append("adamw")
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 100.00 MiB.\nmore")
+
+        def clip(self):
+            calls.append("clip")
+
+    timed, error = bench_trace.time_optimizer(Work(), torch.device("cpu"), 1)
+    assert timed == {"adamw": None, "clip": None}
+    assert error == "out of memory: CUDA out of memory. Tried to allocate 100.00 MiB."
+    assert calls == ["adamw"]

@@ -478,3 +478,26 @@ def test_layout_copies_scale_with_the_simulated_model():
     assert fig["h200x2_llama70b_4layers"] == pytest.approx(profiled, rel=0.01)
     ratio = tiny.total_numel / measured.total_numel
     assert fig["debug_model"] == pytest.approx(profiled * ratio, rel=0.05)
+
+
+def test_optimizer_from_another_trace_when_a_trace_did_not_time_it(tmp_path):
+    """A trace whose optimizer did not fit in memory (bench_trace writes adamw_ms None and
+    the error) still gives its layer times; the optimizer comes from the config's trace."""
+    from torchtitan_tide.fsdp_groups import load_config_model
+
+    config = "h200x2_llama70b_4layers"
+    cm = load_config_model(config)
+    world1 = inputs.newest_world1_trace(inputs.RESULTS, config)
+    assert world1 is not None, "the committed world-1 trace of the Llama config"
+    data = json.loads(world1.read_text())
+    timed = inputs.build_inputs(cm, inputs.RESULTS, world1, 0.4, world1=True)
+    data.update(adamw_ms=None, clip_ms=None, optimizer_error="out of memory: test")
+    untimed_path = tmp_path / f"x_trace_world1_{config}.json"
+    untimed_path.write_text(json.dumps(data))
+    untimed = inputs.build_inputs(cm, inputs.RESULTS, untimed_path, 0.4, world1=True)
+    other = inputs.newest_trace(inputs.RESULTS, config)
+    assert other.name in untimed.sources["optimizer"], untimed.sources["optimizer"]
+    theirs = json.loads(other.read_text())
+    per_element = (theirs["adamw_ms"] + theirs["clip_ms"]) / theirs["work"]["shard_params"]
+    assert untimed.optimizer_ms_per_shard_elem == pytest.approx(per_element)
+    assert untimed.compute == timed.compute  # the layer times are the untimed trace's own

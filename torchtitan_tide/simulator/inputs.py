@@ -536,6 +536,11 @@ def build_inputs(
                                                       trace_config or "")  # fmt: skip
     opt_path = Path(path) if trace is not None else _any_trace(results_dir)
     opt_trace = trace or json.loads(opt_path.read_text())
+    if opt_trace.get("adamw_ms") is None:  # not timed there (out of memory): another trace's
+        opt_path = (newest_trace(results_dir, trace_config) if trace_config else None) or (
+            _any_trace(results_dir)
+        )
+        opt_trace = json.loads(opt_path.read_text())
     opt = (opt_trace["adamw_ms"] + opt_trace["clip_ms"]) / opt_trace["work"]["shard_params"]
     sources["optimizer"] = f"trace {opt_path.name}: AdamW + clip ms per shard element"
     host, sources["host"] = host_ms(cm.table, trace_config or "", results_dir)
