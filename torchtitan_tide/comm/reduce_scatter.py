@@ -76,7 +76,6 @@ __all__ = [
     "rows_per_round",
     "rs_numerics_note",
     "rs_unsupported_reason",
-    "say_stock_once",
     "set_poison",
     "tide_reduce",
     "try_reduce",
@@ -366,7 +365,7 @@ def stock_reason(
     return reason, rows
 
 
-def say_stock_once(state: TideRSState, reason: str) -> None:
+def _say_stock_once(state: TideRSState, reason: str) -> None:
     """Log, once per group and reason, that a reduce of a TIDE-RS group takes FSDP2's path."""
     if reason not in state.stock_reasons:
         state.stock_reasons.add(reason)
@@ -385,11 +384,11 @@ def try_reduce(
     arguments, defaults applied; ``dispatch_reason``: the dispatcher's reason for
     FSDP2's path, or None): reduced by :func:`tide_reduce`, or None when it must
     take FSDP2's path (:func:`stock_reason`, logged once per reason by
-    :func:`say_stock_once`; nothing was reduced then, the caller runs FSDP2's).
+    :func:`_say_stock_once`; nothing was reduced then, the caller runs FSDP2's).
     Collective on the TIDE path (:func:`check_gradient_sets`)."""
     reason, rows = stock_reason(state, fsdp_params, unsharded_grads, call, dispatch_reason)
     if reason is not None:
-        say_stock_once(state, reason)
+        _say_stock_once(state, reason)
         return None
     check_gradient_sets(state, param_group, fsdp_params)
     if state.calls == 0 and (note := rs_numerics_note(
