@@ -7,7 +7,9 @@ Runs TorchTitan 0.2.2's own Trainer. Before TorchTitan builds anything it:
 2. on machines without CUDA (or with ``TIDE_DEVICE=cpu``) switches TorchTitan to the
    CPU device (gloo process groups, CPU memory monitor, CPU MoE index kernels);
 3. registers the ``*_tide`` train specs and the ``tide_text`` dataset;
-4. keeps W&B offline unless ``WANDB_MODE`` says otherwise (nothing leaves the machine).
+4. keeps W&B offline unless ``WANDB_MODE`` says otherwise (nothing leaves the machine);
+5. with ``TIDE_FSDP_AT_WORLD_SIZE_1=1`` (benchmarks only) applies FSDP2 in a one-process
+   run (``torchtitan_tide.world1_fsdp``).
 ``run_train.sh`` launches this module under torchrun.
 """
 
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from torchtitan_tide import checkpoint, guards
+from torchtitan_tide import checkpoint, guards, world1_fsdp
 from torchtitan_tide.config import load_toml
 from torchtitan_tide.device import use_cpu_device, wants_cpu
 from torchtitan_tide.launch.command import comm_env
@@ -100,6 +102,8 @@ def prepare(args: list[str]) -> tuple[str, list[str]]:
 
     guards.install()  # watchdog, non-finite steps
     checkpoint.install()  # checkpoint manifests, partial/corrupt step folders
+    if world1_fsdp.requested():
+        world1_fsdp.install(int(os.environ.get("WORLD_SIZE", "1")))
 
     return device_type, env_notes
 
@@ -123,6 +127,11 @@ def main() -> None:
         f"{nccl_version_string()}, W&B mode {os.environ['WANDB_MODE']}"
         + "".join(f"; comm env {note}" for note in env_notes)
     )
+    if world1_fsdp.installed():
+        logger.warning(
+            f"{world1_fsdp.ENV}=1: FSDP2 over a one-rank mesh (one rank's work of a "
+            "multi-GPU step, for profiling; not what the one-GPU trainer runs)"
+        )
     try:
         titan_main(Trainer)
     except Exception as exc:

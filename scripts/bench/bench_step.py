@@ -23,12 +23,17 @@ Every mode's row carries ``floor_ms`` and ``gap_to_floor_pct`` (best step vs flo
 a compute floor of the config exists: ``--floor-json``, else the newest
 ``*_floor_<config>.json`` (``bench_floor.py``) under ``--out-dir``.
 
+``--fsdp-at-world-size-1`` (one GPU, ``CUDA_VISIBLE_DEVICES`` of one device) runs each
+mode with ``TIDE_FSDP_AT_WORLD_SIZE_1=1``: FSDP2 over a one-rank mesh, i.e. one rank's
+compute of a multi-GPU step of the config (``torchtitan_tide/world1_fsdp.py``); a run whose
+log lacks TorchTitan's "Applied FSDP" line is an error.
+
 Writes ``<date>_<machine>_<commit>_step_<config>.{json,md,png}`` (``step_world1_<config>``
-for a one-rank run):
+for a one-rank run, ``step_world1_fsdp_<config>`` with ``--fsdp-at-world-size-1``):
 
     python scripts/bench/bench_step.py --out-dir bench/results \\
         [--config h200x2_llama70b_4layers] [--modes fsdp2,symm_mem,tide] [--steps 15] \\
-        [--rounds 2] [--profile auto|on|off] [--floor-json FILE]
+        [--rounds 2] [--profile auto|on|off] [--floor-json FILE] [--fsdp-at-world-size-1]
 """
 
 from __future__ import annotations
@@ -48,9 +53,13 @@ import common
 import step_breakdown
 from common import find_floor, load_floor
 
+from torchtitan_tide.world1_fsdp import ENV as WORLD1_FSDP_ENV
+
 REPO = Path(__file__).resolve().parents[2]
 TRACE_FOLDER = "profile_traces"
 PROFILED_STEPS = 2  # the profiler's warm-up step and its active (last) step
+TOP_KERNELS = 25  # per rank: the profiled step's kernels with the most device time
+FSDP_APPLIED_LINE = "Applied FSDP to the"  # TorchTitan's log line (and models/wan22's)
 
 COLUMNS_AFTER_ROUNDS = [
     ("best_step_ms", "best step ms"),
@@ -93,9 +102,11 @@ def run_once(
     dump_folder: Path,
     log_path: Path,
     extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
 ) -> int:
     """One training run; returns its exit code (output in ``log_path``). ``mode`` is
-    a comm mode, optionally with ``[tide]`` overrides: ``tide+rs_ctas=0+slot_reuse=false``."""
+    a comm mode, optionally with ``[tide]`` overrides: ``tide+rs_ctas=0+slot_reuse=false``;
+    ``env``: variables added to this process's environment."""
     comm_mode, *overrides = mode.split("+")
     for item in overrides:
         key, _, value = item.partition("=")
@@ -116,7 +127,9 @@ def run_once(
         *extra_args,
     ]
     with open(log_path, "w") as log:
-        return subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        return subprocess.call(
+            cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, **(env or {})}
+        )
 
 
 def summarize_run(records: list[dict], warmup: int, profiled_steps: int = 0) -> dict:
@@ -170,7 +183,7 @@ def profile_from_traces(
     if not per_rank:
         err = {"error": "no profiler trace found"}
         return err, dict(err)
-    keys = [k for k in next(iter(per_rank.values())) if k != "rows"]
+    keys = [k for k in next(iter(per_rank.values())) if k not in ("rows", "kernels")]
     mean = {
         k: None if any(r[k] is None for r in per_rank.values())
         else sum(r[k] for r in per_rank.values()) / len(per_rank)
@@ -188,8 +201,15 @@ def profile_from_traces(
 
 def _layout_of(events: list[dict], sm_count: int) -> dict[str, Any]:
     layout = common.layout_conversion(events)
-    device = common.summarize_device_events(common.device_events(events), sm_count=0, top=0)
-    layout.update(nccl_kernel_ms=device["nccl_kernel_ms"], memcpy_ms=device["memcpy_ms"])
+    device = common.summarize_device_events(
+        common.device_events(events), sm_count=0, top=TOP_KERNELS
+    )
+    layout.update(
+        nccl_kernel_ms=device["nccl_kernel_ms"],
+        memcpy_ms=device["memcpy_ms"],
+        kernel_ms=device["kernel_ms"],
+        kernels=device["kernels"],
+    )
     reduce = common.reduce_kernels(events, sm_count)
     layout.update(
         rs_kernel_ms=reduce["kernel_ms"],
@@ -203,7 +223,8 @@ def layout_from_traces(
 ) -> dict[str, Any]:
     """Layout-conversion time of the profiled step (``common.layout_conversion``) per
     rank trace and their mean; ``share_pct`` = mean ms / ``step_ms`` (the run's
-    unprofiled median). Also NCCL kernel and memcpy ms, and the gradient reduce's
+    unprofiled median). Also all kernels' ms, NCCL kernel and memcpy ms, the
+    ``TOP_KERNELS`` kernels by time per rank (``per_rank[r]["kernels"]``), and the gradient reduce's
     kernel time (``rs_kernel_ms``, SM-weighted with ``sm_count`` > 0:
     ``common.reduce_kernels``) from the same traces."""
     return profile_from_traces(trace_paths, step_ms, sm_count)[0]
@@ -342,6 +363,13 @@ def write_outputs(
         "before are left out of the median), share = that / the run's median step."
         + ("" if profiled else " Not profiled in this run.")
         + (
+            f" One process with {WORLD1_FSDP_ENV}=1: FSDP2 over a one-rank mesh, one rank's "
+            "compute of the config's multi-GPU step (whole-model shards: optimizer, clip and "
+            "layout copies on the whole model's numel; collectives without a peer)."
+            if args.get("fsdp_at_world_size_1")
+            else ""
+        )
+        + (
             f" Floor: {floor['floor_ms']:.1f} ms from {floor['file']} (bench_floor.py: the "
             "per-GPU work on one GPU, no communication); gap = best step / floor - 1."
             if floor
@@ -390,6 +418,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--floor-json", default=None,
                         help="bench_floor.py result of the config (default: the newest "
                              "*_floor_<config>.json under --out-dir)")  # fmt: skip
+    parser.add_argument("--fsdp-at-world-size-1", action="store_true",
+                        help="one GPU: FSDP2 over a one-rank mesh (one rank's work of the "
+                             "config's multi-GPU step; TIDE_FSDP_AT_WORLD_SIZE_1)")  # fmt: skip
     args = parser.parse_args(argv)
     floor_path = args.floor_json or find_floor(args.out_dir, Path(args.config).stem)
     floor = load_floor(floor_path) if floor_path else None
@@ -403,6 +434,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     profile = args.profile == "on" or (args.profile == "auto" and cuda)
     sm_count = _sm_count() if profile and cuda else 0
     meta = common.metadata(world)
+    run_env: dict[str, str] = {}
+    if args.fsdp_at_world_size_1:
+        if world != 1:
+            parser.error(f"--fsdp-at-world-size-1 needs one device; this machine shows {world} "
+                         "(set CUDA_VISIBLE_DEVICES to one GPU)")  # fmt: skip
+        run_env[WORLD1_FSDP_ENV] = "1"
     if floor and floor["world_size"] not in (None, world):
         print(f"[bench_step] WARNING: {floor['file']} is the floor of a {floor['world_size']}-rank "
               f"step, this run has {world} ranks: floor not used", flush=True)  # fmt: skip
@@ -415,12 +452,16 @@ def main(argv: Sequence[str] | None = None) -> None:
             with tempfile.TemporaryDirectory() as dump:
                 log = Path(args.log_dir) / f"step_{args.config}_{mode}_r{round_index}.log"
                 extra = profile_args(args.steps) if profiled else []
-                code = run_once(args.config, mode, args.steps, Path(dump), log, extra)
+                code = run_once(args.config, mode, args.steps, Path(dump), log, extra, run_env)
                 metrics = Path(dump) / "metrics.jsonl"
                 if code != 0 or not metrics.exists():
                     runs[mode].append(
                         {"error": f"round {round_index}: exit {code}, see {log.name}"}
                     )
+                    continue
+                if run_env and FSDP_APPLIED_LINE not in log.read_text(errors="replace"):
+                    runs[mode].append({"error": f"round {round_index}: FSDP2 was not applied "
+                                                f"({FSDP_APPLIED_LINE!r} not in {log.name})"})  # fmt: skip
                     continue
                 records = [json.loads(line) for line in metrics.read_text().splitlines() if line]
                 records = [r for r in records if "step" in r]  # not the run header
@@ -440,6 +481,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     # a one-rank run (the one-GPU trainer) is no comparison of comm modes: its own name, so
     # report.py's newest-per-name choice never shows it as the config's multi-GPU step
     name = f"step_world1_{args.config}" if world == 1 else f"step_{args.config}"
+    if args.fsdp_at_world_size_1:
+        name = f"step_world1_fsdp_{args.config}"
     stem = common.result_stem(args.out_dir, name, meta)
     common.announce_results(stem, write_outputs(stem, meta, vars(args), runs, profile, floor))
     if any(row.get("error") for row in compare(runs)):

@@ -20,12 +20,16 @@ no FSDP at world 1): fp32 weights, forward and loss under ``torch.autocast`` to
 ``training.mixed_precision_param`` (a cast of every weight at each use), fp32 gradients;
 use it with ``--world-size 1``. The simulator's world-1 rows read it.
 
+``--kernels TOP`` (CUDA) profiles one more fwd+bwd after the timed ones and keeps its
+device time and TOP kernels by name (``profiled_iteration``), to compare with bench_step's
+profiled step kernel by kernel.
+
 Medians over ``--iters`` after ``--warmup``. Writes a compact
 ``<date>_<machine>_<commit>_trace_<config>.{json,md,png}`` (``trace_world1_<config>``
 with ``--precision world1``; a few KB; no chrome trace):
 
     python scripts/bench/bench_trace.py --config h200x2_llama70b_4layers [--world-size 2]
-        [--precision fsdp2|world1] [--device auto|cuda|cpu] [--warmup 2] [--iters 5]
+        [--precision fsdp2|world1] [--device auto|cuda|cpu] [--warmup 2] [--iters 5] [--kernels 25]
         [--out-dir bench/results]
 """
 
@@ -178,6 +182,27 @@ def world1_precision(work: bench_floor.FloorWork, job_config, device: torch.devi
     return lambda: torch.autocast(device.type, dtype=dtype)
 
 
+def profile_kernels(
+    work: bench_floor.FloorWork, groups, marks: Marks, amp, top: int
+) -> dict[str, Any]:
+    """One more marked fwd+bwd under ``torch.profiler`` (CUDA only): every kernel's,
+    copy's and memset's device time of that iteration and the ``top`` kernels by time
+    (``common.summarize_device_events``: the names bench_step's profiled step reports, so
+    a step's kernels compare with the trace's by name)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        trace_iteration(work, groups, marks, amp)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = common.load_chrome_trace(path)
+    device = common.summarize_device_events(common.device_events(events), sm_count=0, top=top)
+    return {k: device[k] for k in ("kernel_ms", "memcpy_ms", "memset_ms", "kernels")}
+
+
 def time_optimizer(
     work: bench_floor.FloorWork, device: torch.device, iters: int
 ) -> tuple[dict[str, float | None], str | None]:
@@ -213,6 +238,12 @@ def run(args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, Any]:
         per_iter = [trace_iteration(work, groups, marks, amp)
                     for _ in range(args.warmup + args.iters)]  # fmt: skip
         per_iter = per_iter[args.warmup :]
+        kernels = None
+        if args.kernels and device.type == "cuda":
+            kernels = profile_kernels(work, groups, marks, amp, args.kernels)
+        elif args.kernels:
+            print(f"[bench_trace] --kernels ignored on {device.type}: it profiles CUDA kernels",
+                  flush=True)  # fmt: skip
         # The optimizer runs on rank 0's shards, not on the model: the model's gradients
         # (fp32 at world 1: as large as the weights) are freed first. At world 1 the shards
         # are a second full fp32 copy of the model (bench_floor.Shards), so a model near the
@@ -245,6 +276,7 @@ def run(args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, Any]:
         "clip_ms": optimizer["clip"],
         "optimizer_error": optimizer_error,
         "iters": args.iters,
+        "profiled_iteration": kernels,
         "tables": [
             {"title": "Per FSDP group, one device (median ms)", "columns": COLUMNS, "rows": rows}
         ],
@@ -261,10 +293,20 @@ def write_outputs(stem: Path, result: dict[str, Any]) -> str:
         f"activation checkpointing {about['activation_checkpoint']}), median of "
         f"{result['iters']} iterations. fwd+bwd {result['fwd_bwd_ms']:.3f} ms, of which outside "
         f"every group (root) fwd {result['root_fwd_ms']:.3f} / bwd {result['root_bwd_ms']:.3f} "
-        + (f"ms; AdamW {result['adamw_ms']:.3f} ms, clip {result['clip_ms']:.3f} ms on rank 0's "
-           "shards" if result["adamw_ms"] is not None
-           else f"ms; optimizer not timed ({result['optimizer_error']})")
-        + f". Groups: {result['grouping']}.\n"
+        + (
+            f"ms; AdamW {result['adamw_ms']:.3f} ms, clip {result['clip_ms']:.3f} ms on rank 0's "
+            "shards"
+            if result["adamw_ms"] is not None
+            else f"ms; optimizer not timed ({result['optimizer_error']})"
+        )
+        + f". Groups: {result['grouping']}."
+        + (
+            f" Profiled iteration (--kernels): {prof['kernel_ms']:.1f} ms of kernels, "
+            f"{prof['memcpy_ms']:.1f} ms of copies; top kernels in the JSON."
+            if (prof := result.get("profiled_iteration"))
+            else ""
+        )
+        + "\n"
     )
     names = [r["group"] for r in result["groups"]]
     charts = [
@@ -281,6 +323,9 @@ def main(argv: Sequence[str] | None = None, runner: Callable = run) -> int:
                         help="fsdp2: bf16 parameters (FSDP2's mixed precision); world1: what "
                              "the one-GPU trainer runs (fp32 weights under autocast)")  # fmt: skip
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--kernels", type=int, default=0, metavar="TOP",
+                        help="CUDA: profile one more fwd+bwd and keep its TOP kernels by "
+                             "device time (profiled_iteration; 0: no profile)")  # fmt: skip
     args, overrides = parser.parse_known_args(argv)
     if args.world_size < 1 or args.iters < 1 or args.warmup < 0:
         parser.error("--world-size and --iters must be >= 1, --warmup >= 0")

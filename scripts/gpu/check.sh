@@ -27,7 +27,8 @@
 #   world1        not in the default list: what the one-GPU trainer runs, on GPU 0 (the
 #                 simulator's world-1 rows and trainer-time input): bench_trace --precision
 #                 world1 per WORLD1_TRACE_CONFIGS (llama, qwen3: ~40 s each), then a profiled
-#                 world-1 fsdp2 bench_step per WORLD1_STEP_CONFIGS (wan22: ~2 min)
+#                 world-1 fsdp2 bench_step per WORLD1_STEP_CONFIGS (wan22: ~2 min), and a
+#                 profiled FSDP2-at-world-1 step per WORLD1_FSDP_STEP_CONFIGS (one rank's work)
 #   train         debug model, every comm mode, 1 round (bench_step)               ~1.5 min
 #   step          bench_step per config in STEP_CONFIGS, all modes                 ~2.5 min/config
 #   bench         bench_ag (TIDE-AG vs stock, copy-engine batch)                   ~1 min
@@ -38,7 +39,10 @@
 # Knobs: FLOOR_CONFIGS (the three h200x2_* configs), TRACE_CONFIGS, TRACE_ARGS, FLOOR_WORLD (2: ranks of the step whose
 # per-GPU work is measured), FLOOR_ARGS (more bench_floor arguments, e.g. "--warmup 1"), STEPS (train, 30), STEP_CONFIGS (h200x2_llama70b_4layers),
 # STEP_STEPS (12), STEP_ROUNDS (1), STEP_MODES / MODES (fsdp2,symm_mem,tide), COLL_ITERS (20), INTERF_REPS (6),
-# WORLD1_TRACE_CONFIGS, WORLD1_STEP_CONFIGS, WORLD1_ITERS (3), WORLD1_STEPS (8), WORLD1_WARMUP (4).
+# WORLD1_TRACE_CONFIGS, WORLD1_TRACE_ARGS (e.g. "--kernels 25"), WORLD1_STEP_CONFIGS,
+# WORLD1_FSDP_STEP_CONFIGS (none: bench_step --fsdp-at-world-size-1 per config, ~1 min llama,
+# ~3 min wan22), WORLD1_ITERS (3), WORLD1_STEPS (8), WORLD1_WARMUP (4).
+# $LOGS/clocks.csv: nvidia-smi's SM clock, power and throttle reasons at 1 s (summary line).
 # Results (JSON/MD/PNG) land in bench/results/; $OUT gets results.tgz (this run's result
 # files), the report (.md/.png), summary.md and logs.tgz (every log), i.e. few files.
 # Needs the wheels from scripts/gpu/fetch_wheels.sh in .whl/ (carry ".whl"); the emulation
@@ -65,6 +69,14 @@ else
   export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 fi
 python3 scripts/gpu/probe.py > "$LOGS/probe.json" 2>&1
+# SM clock, power and throttle reasons of every GPU once a second for the whole call
+# (read-only queries; the compute figures of one call are only comparable at like clocks).
+clock_sampler=""
+if command -v nvidia-smi > /dev/null; then
+  nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,clocks_throttle_reasons.active,utilization.gpu \
+    --format=csv,noheader -l 1 > "$LOGS/clocks.csv" 2>/dev/null &
+  clock_sampler=$!
+fi
 
 status=0
 declare -a table
@@ -158,7 +170,7 @@ if has world1; then
   for config in ${WORLD1_TRACE_CONFIGS:-h200x2_llama70b_4layers h200x2_qwen3_30b_a3b_4layers}; do
     run "trace_world1_$config" 300 env CUDA_VISIBLE_DEVICES="${first_gpu%%,*}" \
       python3 scripts/bench/bench_trace.py --config "$config" --world-size 1 --precision world1 \
-      --iters "${WORLD1_ITERS:-3}" --out-dir bench/results
+      --iters "${WORLD1_ITERS:-3}" --out-dir bench/results ${WORLD1_TRACE_ARGS:-}
     note "  $(grep -o 'fwd+bwd [0-9.]* ms' "$LOGS/trace_world1_$config.log" | tail -1)"
   done
   for config in ${WORLD1_STEP_CONFIGS:-h200x2_wan22_a14b_20layers}; do
@@ -166,6 +178,14 @@ if has world1; then
       python3 scripts/bench/bench_step.py --config "$config" --modes fsdp2 --rounds 1 \
       --steps "${WORLD1_STEPS:-8}" --warmup "${WORLD1_WARMUP:-4}" --out-dir bench/results \
       --log-dir "$LOGS"
+  done
+  # One rank's work of the 2-GPU step on one GPU: FSDP2 over a one-rank mesh (bf16
+  # weights, FSDP2's hooks and copies; torchtitan_tide/world1_fsdp.py), profiled.
+  for config in ${WORLD1_FSDP_STEP_CONFIGS:-}; do
+    run "step_world1_fsdp_$config" 480 env CUDA_VISIBLE_DEVICES="${first_gpu%%,*}" \
+      python3 scripts/bench/bench_step.py --config "$config" --modes fsdp2 --rounds 1 \
+      --steps "${WORLD1_STEPS:-8}" --warmup "${WORLD1_WARMUP:-4}" --out-dir bench/results \
+      --log-dir "$LOGS" --fsdp-at-world-size-1
   done
 fi
 
@@ -204,6 +224,11 @@ fi
 
 if has report; then
   run report 120 python3 scripts/bench/report.py --results-dir bench/results
+fi
+
+[[ -n "$clock_sampler" ]] && kill "$clock_sampler" 2>/dev/null
+if [[ -s "$LOGS/clocks.csv" ]]; then
+  note "clocks (busy samples, util >= 50%): $(python3 scripts/gpu/clocks.py "$LOGS/clocks.csv")"
 fi
 
 # This run's result files in one archive; the report and logs beside it (few files in $OUT).

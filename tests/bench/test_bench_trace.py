@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "scripts" / "bench"
 TINY = ["--config", "debug_model", "--training.seq_len", "32", "--training.local_batch_size", "1"]
@@ -72,3 +74,37 @@ def test_an_optimizer_that_does_not_fit_keeps_the_trace():
     assert timed == {"adamw": None, "clip": None}
     assert error == "out of memory: CUDA out of memory. Tried to allocate 100.00 MiB."
     assert calls == ["adamw"]
+
+
+def test_kernels_on_cpu_are_named_as_ignored(tmp_path):
+    """--kernels profiles CUDA kernels; on CPU the run says it ignored the option."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "bench_trace.py"), "--device", "cpu", "--iters", "1",
+         "--warmup", "0", "--kernels", "5", "--out-dir", str(tmp_path), *TINY],
+        capture_output=True, text=True, timeout=300, cwd=REPO, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "--kernels ignored on cpu" in proc.stdout
+    (path,) = tmp_path.glob("*_trace_debug_model.json")
+    assert json.loads(path.read_text())["profiled_iteration"] is None
+
+
+@pytest.mark.gpu
+def test_kernels_of_a_profiled_iteration_on_gpu(tmp_path):
+    """--kernels on CUDA: one more profiled fwd+bwd, its kernel time and the top kernels
+    by name, in the time range of the timed iterations."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "bench_trace.py"), "--iters", "2", "--warmup", "1",
+         "--kernels", "5", "--out-dir", str(tmp_path), *TINY],
+        capture_output=True, text=True, timeout=300, cwd=REPO, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = tmp_path.glob("*_trace_debug_model.json")
+    result = json.loads(path.read_text())
+    prof = result["profiled_iteration"]
+    assert len(prof["kernels"]) == 5 and all(k["ms"] > 0 and k["count"] > 0 for k in prof["kernels"])
+    assert 0 < prof["kernel_ms"] < 20 * result["fwd_bwd_ms"] + 50
