@@ -90,6 +90,13 @@ run() {
   local rc=$?
   status=$(( status | rc ))
   note "$name: exit $rc$([[ $rc == 124 ]] && echo ' (timed out)'), $(( SECONDS - t0 )) s"
+  save_so_far
+}
+# $OUT/partial.tgz: the result files and logs so far, so a call stopped by its time limit
+# still returns what its finished stages measured (replaced by results.tgz at the end).
+save_so_far() {
+  find bench/results -maxdepth 1 -type f -newer "$MARK" -printf 'bench/results/%f\n' > "$LOGS/.so_far"
+  tar czf "$OUT/partial.tgz" -T "$LOGS/.so_far" -C "$LOGS" --exclude=.so_far . 2>/dev/null
 }
 
 if has tests; then
@@ -253,6 +260,7 @@ fi
 } > "$LOGS/summary.md"
 cp "$LOGS/summary.md" "$OUT/summary.md"
 tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
+rm -f "$OUT/partial.tgz"
 echo
 cat "$LOGS/summary.md"
 exit $status
