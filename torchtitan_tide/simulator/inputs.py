@@ -413,6 +413,56 @@ def world1_step(results_dir: Path, config: str) -> tuple[dict[str, float] | None
     )
 
 
+def newest_world1_fsdp_step(results_dir: Path, config: str) -> Path | None:
+    """The newest ``*_step_world1_fsdp_<config>.json`` (``bench_step.py
+    --fsdp-at-world-size-1``: one rank's work of the config's multi-GPU step, FSDP2 over a
+    one-rank mesh on one GPU) whose fsdp2 row has a profiled step breakdown."""
+    found = []
+    for path in results_dir.glob(f"*_step_world1_fsdp_{config}.json"):
+        data = json.loads(path.read_text())
+        row = next((r for r in data.get("rows", []) if r.get("mode") == "fsdp2"), {})
+        if row.get("bd_compute_ms"):
+            found.append((data.get("metadata", {}).get("date", ""), path.name, path))
+    return max(found)[2] if found else None
+
+
+def in_step_compute(results_dir: Path, config: str) -> tuple[float, str]:
+    """(level, source): how much longer the model's kernels take inside a training step
+    than in its per-group trace, on one GPU. In-step: the compute-stream time of the
+    profiled one-rank step (:func:`newest_world1_fsdp_step`: forward and backward, not the
+    optimizer) minus FSDP2's copy-out kernels there (``split_with_sizes_copy``, a layout op
+    the step model charges on its own); over the fwd+bwd of the bf16-parameter trace of
+    the same call (the trace file with the step's commit and machine; else the newest
+    trace, said). 1.0 when no such step was measured (said). Applied to every trace of the
+    model (bf16 and world 1). On one H200 (2026-12-03) the step ran at a lower
+    power-capped SM clock than the trace; the level carries that and any in-step cost."""
+    path = newest_world1_fsdp_step(results_dir, config)
+    if path is None:
+        return 1.0, (
+            f"not measured (no *_step_world1_fsdp_{config}.json: scripts/gpu/check.sh stage "
+            "world1, WORLD1_FSDP_STEP_CONFIGS): the trace's level, 1.0"
+        )
+    data = json.loads(path.read_text())
+    prefix = path.name.split("_step_world1_fsdp_")[0]  # <date>_<machine>_<commit>
+    paired = results_dir / f"{prefix}_trace_{config}.json"
+    trace_path = paired if paired.exists() else newest_trace(results_dir, config)
+    if trace_path is None:
+        return 1.0, f"{path.name}: no bf16 trace of {config} to pair it with: level 1.0"
+    trace = json.loads(trace_path.read_text())
+    row = next(r for r in data["rows"] if r["mode"] == "fsdp2")
+    run = data["runs"]["fsdp2"][0]
+    copy_out = float(run.get("layout", {}).get("split_with_sizes_copy_ms") or 0.0)
+    step_compute = row["bd_compute_ms"] - copy_out
+    level = step_compute / trace["fwd_bwd_ms"]
+    return level, (
+        f"{path.name}: profiled one-rank step (FSDP2 at world 1, one GPU), compute "
+        f"{row['bd_compute_ms']:.1f} ms - copy-out {copy_out:.1f} ms = {step_compute:.1f} ms, "
+        f"over {trace_path.name}'s fwd+bwd {trace['fwd_bwd_ms']:.1f} ms"
+        + ("" if trace_path == paired else " (not the same call: the newest trace)")
+        + f" = x {level:.3f} on every group's and the root's ms"
+    )
+
+
 def host_ms(
     table: Mapping[str, Any], trace_config: str, results_dir: Path = RESULTS
 ) -> tuple[float, str]:
@@ -519,10 +569,14 @@ def build_inputs(
         traced_ac = traced.get("activation_checkpoint", {}).get("mode", "selective")
         scale = tokens / traced_tokens
         recompute = AC_FACTOR.get(ac, 0.0) > AC_FACTOR.get(traced_ac, 0.0)
-        compute, root_fwd, root_bwd = compute_from_trace(trace, cm.groups, scale, recompute)
+        level = 1.0
+        if trace_config:
+            level, sources["in_step"] = in_step_compute(results_dir, trace_config)
+        compute, root_fwd, root_bwd = compute_from_trace(trace, cm.groups, scale * level, recompute)
         sources["compute"] = (
             f"trace {Path(path).name} (bench_trace, {trace['metadata']['machine']}), "
             f"x {scale:.3f} tokens per GPU"
+            + (f", x {level:.3f} in-step level" if level != 1.0 else "")
             + (", + forward recompute (full AC)" if recompute else "")
         )
     else:
