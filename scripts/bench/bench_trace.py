@@ -20,6 +20,12 @@ no FSDP at world 1): fp32 weights, forward and loss under ``torch.autocast`` to
 ``training.mixed_precision_param`` (a cast of every weight at each use), fp32 gradients;
 use it with ``--world-size 1``. The simulator's world-1 rows read it.
 
+``--heat-s S`` runs fwd+bwd for S seconds before the warm-up: the H200 is power-capped and
+its SM clock depends on what ran before, so a trace taken on a cool GPU times the kernels
+faster than a training job's steady state (docs/2026-12-02-simulator.md, 2026-12-03).
+With ``nvidia-smi`` the timed iterations' SM clock, temperature and power are recorded
+(``clock``).
+
 ``--kernels TOP`` (CUDA) profiles one more fwd+bwd after the timed ones and keeps its
 device time and TOP kernels by name (``profiled_iteration``), to compare with bench_step's
 profiled step kernel by kernel.
@@ -30,6 +36,7 @@ with ``--precision world1``; a few KB; no chrome trace):
 
     python scripts/bench/bench_trace.py --config h200x2_llama70b_4layers [--world-size 2]
         [--precision fsdp2|world1] [--device auto|cuda|cpu] [--warmup 2] [--iters 5] [--kernels 25]
+        [--heat-s 60]
         [--out-dir bench/results]
 """
 
@@ -49,6 +56,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_floor
 import common
+import gpu_clock
 
 from torchtitan_tide.fsdp_groups import fsdp_group_modules
 
@@ -182,6 +190,17 @@ def world1_precision(work: bench_floor.FloorWork, job_config, device: torch.devi
     return lambda: torch.autocast(device.type, dtype=dtype)
 
 
+def heat(iteration: Callable[[], object], seconds: float) -> int:
+    """Run ``iteration`` until ``seconds`` of wall time have passed (each one synchronizes):
+    a power-capped GPU then times in the hot steady state of a training job rather than
+    at the clocks of a cool one. Returns the iterations run."""
+    count, end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        iteration()
+        count += 1
+    return count
+
+
 def profile_kernels(
     work: bench_floor.FloorWork, groups, marks: Marks, amp, top: int
 ) -> dict[str, Any]:
@@ -235,9 +254,15 @@ def run(args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, Any]:
         groups, how = fsdp_group_modules(work.model, job_config.model.name, policy)
         marks = Marks(device)
         install_marks(groups, marks)
-        per_iter = [trace_iteration(work, groups, marks, amp)
-                    for _ in range(args.warmup + args.iters)]  # fmt: skip
-        per_iter = per_iter[args.warmup :]
+        sampler = gpu_clock.ClockSampler(gpu_clock.gpu_index()) if device.type == "cuda" else None
+        heat_iters = heat(lambda: trace_iteration(work, groups, marks, amp), args.heat_s)
+        for _ in range(args.warmup):
+            trace_iteration(work, groups, marks, amp)
+        timed_from = time.time()
+        per_iter = [trace_iteration(work, groups, marks, amp) for _ in range(args.iters)]
+        clock = sampler.window(timed_from, time.time()) if sampler else None
+        if sampler:
+            sampler.stop()
         kernels = None
         if args.kernels and device.type == "cuda":
             kernels = profile_kernels(work, groups, marks, amp, args.kernels)
@@ -277,6 +302,9 @@ def run(args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, Any]:
         "optimizer_error": optimizer_error,
         "iters": args.iters,
         "profiled_iteration": kernels,
+        "heat_s": args.heat_s,
+        "heat_iters": heat_iters,
+        "clock": clock,
         "tables": [
             {"title": "Per FSDP group, one device (median ms)", "columns": COLUMNS, "rows": rows}
         ],
@@ -301,6 +329,18 @@ def write_outputs(stem: Path, result: dict[str, Any]) -> str:
         )
         + f". Groups: {result['grouping']}."
         + (
+            f" Heated {result['heat_s']:g} s ({result['heat_iters']} fwd+bwd) first."
+            if result.get("heat_s")
+            else ""
+        )
+        + (
+            f" While timed: SM {c['sm_mhz_median']:.0f} MHz median ({c['sm_mhz_min']:.0f}-"
+            f"{c['sm_mhz_max']:.0f}), up to {c['temp_c_max']:.0f} C, {c['power_w_median']:.0f} W "
+            "median."
+            if (c := result.get("clock"))
+            else ""
+        )
+        + (
             f" Profiled iteration (--kernels): {prof['kernel_ms']:.1f} ms of kernels, "
             f"{prof['memcpy_ms']:.1f} ms of copies; top kernels in the JSON."
             if (prof := result.get("profiled_iteration"))
@@ -323,12 +363,15 @@ def main(argv: Sequence[str] | None = None, runner: Callable = run) -> int:
                         help="fsdp2: bf16 parameters (FSDP2's mixed precision); world1: what "
                              "the one-GPU trainer runs (fp32 weights under autocast)")  # fmt: skip
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--heat-s", type=float, default=0.0,
+                        help="run fwd+bwd for this many seconds before --warmup (a "
+                             "power-capped GPU then times at a training job's steady clocks)")  # fmt: skip
     parser.add_argument("--kernels", type=int, default=0, metavar="TOP",
                         help="CUDA: profile one more fwd+bwd and keep its TOP kernels by "
                              "device time (profiled_iteration; 0: no profile)")  # fmt: skip
     args, overrides = parser.parse_known_args(argv)
-    if args.world_size < 1 or args.iters < 1 or args.warmup < 0:
-        parser.error("--world-size and --iters must be >= 1, --warmup >= 0")
+    if args.world_size < 1 or args.iters < 1 or args.warmup < 0 or args.heat_s < 0:
+        parser.error("--world-size and --iters must be >= 1, --warmup and --heat-s >= 0")
     if args.precision == "world1" and args.world_size != 1:
         parser.error("--precision world1 is the one-GPU trainer: use --world-size 1")
     result = runner(args, overrides)

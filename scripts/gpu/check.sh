@@ -39,10 +39,11 @@
 # Knobs: FLOOR_CONFIGS (the three h200x2_* configs), TRACE_CONFIGS, TRACE_ARGS, FLOOR_WORLD (2: ranks of the step whose
 # per-GPU work is measured), FLOOR_ARGS (more bench_floor arguments, e.g. "--warmup 1"), STEPS (train, 30), STEP_CONFIGS (h200x2_llama70b_4layers),
 # STEP_STEPS (12), STEP_ROUNDS (1), STEP_MODES / MODES (fsdp2,symm_mem,tide), COLL_ITERS (20), INTERF_REPS (6),
-# WORLD1_TRACE_CONFIGS, WORLD1_TRACE_ARGS (e.g. "--kernels 25"), WORLD1_STEP_CONFIGS,
+# GPU_TESTS (tests: the paths the tests stage gives pytest), WORLD1_TRACE_CONFIGS, WORLD1_TRACE_ARGS (e.g. "--kernels 25"), WORLD1_STEP_CONFIGS,
 # WORLD1_FSDP_STEP_CONFIGS (none: bench_step --fsdp-at-world-size-1 per config, ~1 min llama,
 # ~3 min wan22), WORLD1_ITERS (3), WORLD1_STEPS (8), WORLD1_WARMUP (4).
-# $LOGS/clocks.csv: nvidia-smi's SM clock, power and throttle reasons at 1 s (summary line).
+# $LOGS/clocks.csv: nvidia-smi's SM clock, power, throttle reasons, utilization and
+# temperature at 1 s (summary line).
 # Results (JSON/MD/PNG) land in bench/results/; $OUT gets results.tgz (this run's result
 # files), the report (.md/.png), summary.md and logs.tgz (every log), i.e. few files.
 # Needs the wheels from scripts/gpu/fetch_wheels.sh in .whl/ (carry ".whl"); the emulation
@@ -73,7 +74,7 @@ python3 scripts/gpu/probe.py > "$LOGS/probe.json" 2>&1
 # (read-only queries; the compute figures of one call are only comparable at like clocks).
 clock_sampler=""
 if command -v nvidia-smi > /dev/null; then
-  nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,clocks_throttle_reasons.active,utilization.gpu \
+  nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,clocks_throttle_reasons.active,utilization.gpu,temperature.gpu \
     --format=csv,noheader -l 1 > "$LOGS/clocks.csv" 2>/dev/null &
   clock_sampler=$!
 fi
@@ -100,7 +101,8 @@ save_so_far() {
 }
 
 if has tests; then
-  run gpu_tests 600 python3 -m pytest -q -m "gpu and not emulation" tests -p no:cacheprovider
+  # shellcheck disable=SC2086  # GPU_TESTS: test paths, split on spaces
+  run gpu_tests 600 python3 -m pytest -q -m "gpu and not emulation" ${GPU_TESTS:-tests} -p no:cacheprovider
   note "  $(tail -1 "$LOGS/gpu_tests.log")"
 fi
 

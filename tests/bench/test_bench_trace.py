@@ -31,6 +31,7 @@ def test_trace_debug_model_on_cpu(tmp_path):
     assert abs(parts - result["fwd_bwd_ms"]) < 1e-6 * max(1.0, result["fwd_bwd_ms"])
     assert result["root_bwd_ms"] >= 0 and result["adamw_ms"] > 0
     assert path.stat().st_size < 20_000  # compact: no chrome trace
+    assert result["heat_s"] == 0 and result["heat_iters"] == 0 and result["clock"] is None
 
 
 def test_trace_world1_precision_on_cpu(tmp_path):
@@ -76,17 +77,21 @@ def test_an_optimizer_that_does_not_fit_keeps_the_trace():
     assert calls == ["adamw"]
 
 
-def test_kernels_on_cpu_are_named_as_ignored(tmp_path):
-    """--kernels profiles CUDA kernels; on CPU the run says it ignored the option."""
+def test_kernels_on_cpu_are_named_as_ignored_and_heat_runs_first(tmp_path):
+    """--kernels profiles CUDA kernels; on CPU the run says it ignored the option.
+    --heat-s runs fwd+bwd before the timed iterations and says so."""
     proc = subprocess.run(
         [sys.executable, str(BENCH / "bench_trace.py"), "--device", "cpu", "--iters", "1",
-         "--warmup", "0", "--kernels", "5", "--out-dir", str(tmp_path), *TINY],
+         "--warmup", "0", "--kernels", "5", "--heat-s", "0.5", "--out-dir", str(tmp_path), *TINY],
         capture_output=True, text=True, timeout=300, cwd=REPO, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "--kernels ignored on cpu" in proc.stdout
     (path,) = tmp_path.glob("*_trace_debug_model.json")
-    assert json.loads(path.read_text())["profiled_iteration"] is None
+    result = json.loads(path.read_text())
+    assert result["profiled_iteration"] is None
+    assert result["heat_s"] == 0.5 and result["heat_iters"] >= 1  # heated before timing
+    assert "Heated 0.5 s" in path.with_suffix(".md").read_text()
 
 
 @pytest.mark.gpu
@@ -106,5 +111,9 @@ def test_kernels_of_a_profiled_iteration_on_gpu(tmp_path):
     (path,) = tmp_path.glob("*_trace_debug_model.json")
     result = json.loads(path.read_text())
     prof = result["profiled_iteration"]
-    assert len(prof["kernels"]) == 5 and all(k["ms"] > 0 and k["count"] > 0 for k in prof["kernels"])
+    assert len(prof["kernels"]) == 5 and all(
+        k["ms"] > 0 and k["count"] > 0 for k in prof["kernels"]
+    )
     assert 0 < prof["kernel_ms"] < 20 * result["fwd_bwd_ms"] + 50
+    if result["clock"] is not None:  # nvidia-smi sampled the timed iterations
+        assert result["clock"]["samples"] >= 1 and result["clock"]["sm_mhz_median"] > 0

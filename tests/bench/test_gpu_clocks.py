@@ -24,3 +24,11 @@ def test_busy_samples_only_and_throttle_reasons_other_than_idle():
 
 def test_no_busy_sample_is_said():
     assert clocks.summarize(["x, 0, 345 MHz, 80 W, 0x1, 0 %"]) == "no busy sample"
+
+
+def test_temperature_column_when_sampled():
+    lines = ["2026/12/03 10:00:00.000, 0, 1740 MHz, 690.00 W, 0x4, 100 %, 71"]
+    assert (
+        clocks.summarize(lines)
+        == "gpu 0: SM 1740-1740 MHz (median 1740), <= 690 W, <= 71 C, throttled 1/1"
+    )

@@ -1,0 +1,46 @@
+"""scripts/bench/gpu_clock.py: nvidia-smi samples beside a timed window."""
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
+
+import gpu_clock
+
+
+def _line(seconds: float, mhz: int, temp: int, watts: float) -> str:
+    stamp = time.strftime("%Y/%m/%d %H:%M:%S", time.localtime(int(seconds)))
+    return f"{stamp}.{int(1000 * (seconds % 1)):03d}, {mhz}, {temp}, {watts}"
+
+
+def test_parse_and_summarize_only_the_window(tmp_path, monkeypatch):
+    t0 = 1_800_000_000.0
+    lines = [
+        _line(t0 + i, mhz, 60 + i, 600.0 + i) for i, mhz in enumerate([1980, 1740, 1755, 1500])
+    ]
+    lines += ["2026/12/03 10:00:00.000, [N/A], [N/A], [N/A]", "cut"]
+    assert gpu_clock.parse_sample(lines[0])[:2] == (t0, 1980.0)
+    assert gpu_clock.parse_sample(lines[-1]) is None and gpu_clock.parse_sample(lines[-2]) is None
+    sampler = gpu_clock.ClockSampler.__new__(gpu_clock.ClockSampler)
+    sampler._proc, sampler._path = object(), tmp_path / "clocks.csv"
+    sampler._path.write_text("\n".join(lines))
+    assert sampler.window(t0 + 1, t0 + 2.5) == {
+        "samples": 2, "sm_mhz_median": 1747.5, "sm_mhz_min": 1740.0, "sm_mhz_max": 1755.0,
+        "temp_c_max": 62.0, "power_w_median": 601.5,
+    }  # fmt: skip
+    assert sampler.window(t0 + 10, t0 + 11) is None
+
+
+def test_gpu_index_from_visible_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert gpu_clock.gpu_index() == "3"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-5a1b")
+    assert gpu_clock.gpu_index() == "0"
+
+
+def test_without_nvidia_smi_nothing_is_sampled(monkeypatch):
+    monkeypatch.setattr(gpu_clock.shutil, "which", lambda name: None)
+    sampler = gpu_clock.ClockSampler("0")
+    assert sampler.window(0, time.time()) is None
+    sampler.stop()
