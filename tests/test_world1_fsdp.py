@@ -92,6 +92,7 @@ def test_profiled_fsdp_step_at_world_size_1_on_one_gpu(tmp_path):
     and the top kernels are recorded."""
     import json
     import os
+    import shutil
     import subprocess
     import sys
 
@@ -111,7 +112,10 @@ def test_profiled_fsdp_step_at_world_size_1_on_one_gpu(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (result,) = tmp_path.glob("*_step_world1_fsdp_debug_model.json")
-    (run,) = json.loads(result.read_text())["runs"]["fsdp2"]
+    data = json.loads(result.read_text())
+    (run,) = data["runs"]["fsdp2"]
     assert run["layout"]["total_ms"] > 0, run["layout"]
+    if shutil.which("nvidia-smi"):  # the run's busy SM clock and power, sampled beside it
+        assert run["clock"]["samples"] >= 1 and data["rows"][0]["sm_mhz_median"] > 0
     assert run["layout"]["per_rank"]["rank0"]["kernels"]
     assert run["breakdown"]["compute_ms"] > 0, run["breakdown"]

@@ -44,12 +44,14 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common
+import gpu_clock
 import step_breakdown
 from common import find_floor, load_floor
 
@@ -74,6 +76,8 @@ COLUMNS_AFTER_ROUNDS = [
     ("layout_share_pct", "layout share %"),
     ("rs_kernel_ms", "reduce SM kernel ms/step"),
     ("rs_kernel_sm_weighted_ms", "reduce SM-weighted ms/step"),
+    ("sm_mhz_median", "SM MHz (busy, median)"),
+    ("power_w_median", "W (busy, median)"),
     ("first_loss", "first loss"),
     ("last_loss", "last loss"),
     ("error", "error"),
@@ -274,6 +278,10 @@ def compare(runs: dict[str, list[dict]], floor_ms: float | None = None) -> list[
                 first_loss=best["first_loss"],
                 last_loss=best["last_loss"],
             )
+            if clock := best.get("clock"):
+                row.update(
+                    sm_mhz_median=clock["sm_mhz_median"], power_w_median=clock["power_w_median"]
+                )
         layout = next((r["layout"] for r in ok if "total_ms" in r.get("layout", {})), None)
         if layout:
             row.update(layout_ms=layout["total_ms"], layout_share_pct=layout["share_pct"])
@@ -363,6 +371,12 @@ def write_outputs(
         "before are left out of the median), share = that / the run's median step."
         + ("" if profiled else " Not profiled in this run.")
         + (
+            " SM MHz / W: nvidia-smi on rank 0's GPU while the run's GPU was busy (>= 50% "
+            "utilization), median (the GPU is power-capped: clocks follow the work)."
+            if any(r.get("sm_mhz_median") is not None for r in rows)
+            else ""
+        )
+        + (
             f" One process with {WORLD1_FSDP_ENV}=1: FSDP2 over a one-rank mesh, one rank's "
             "compute of the config's multi-GPU step (whole-model shards: optimizer, clip and "
             "layout copies on the whole model's numel; collectives without a peer)."
@@ -446,13 +460,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         floor = None
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+    # nvidia-smi beside each run (the first visible GPU: rank 0's); no CUDA context here
+    sampler = gpu_clock.ClockSampler(gpu_clock.gpu_index()) if cuda else None
     for round_index in range(1, args.rounds + 1):
         for mode in modes:
             profiled = profile and round_index == 1 and args.steps >= PROFILED_STEPS
             with tempfile.TemporaryDirectory() as dump:
                 log = Path(args.log_dir) / f"step_{args.config}_{mode}_r{round_index}.log"
                 extra = profile_args(args.steps) if profiled else []
+                started = time.time()
                 code = run_once(args.config, mode, args.steps, Path(dump), log, extra, run_env)
+                clock = sampler.window(started, time.time(), busy_only=True) if sampler else None
                 metrics = Path(dump) / "metrics.jsonl"
                 if code != 0 or not metrics.exists():
                     runs[mode].append(
@@ -466,6 +484,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 records = [json.loads(line) for line in metrics.read_text().splitlines() if line]
                 records = [r for r in records if "step" in r]  # not the run header
                 summary = summarize_run(records, args.warmup, PROFILED_STEPS if profiled else 0)
+                summary["clock"] = clock
                 if profiled:
                     try:
                         traces = find_traces(Path(dump))
@@ -478,6 +497,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             shown = {k: v for k, v in runs[mode][-1].items() if k not in ("layout", "breakdown")}
             print(f"[bench_step] round {round_index} {mode}: {shown}", flush=True)
 
+    if sampler:
+        sampler.stop()
     # a one-rank run (the one-GPU trainer) is no comparison of comm modes: its own name, so
     # report.py's newest-per-name choice never shows it as the config's multi-GPU step
     name = f"step_world1_{args.config}" if world == 1 else f"step_{args.config}"

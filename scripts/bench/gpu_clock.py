@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-QUERY = "timestamp,clocks.sm,temperature.gpu,power.draw"
+QUERY = "timestamp,clocks.sm,temperature.gpu,power.draw,utilization.gpu"
+BUSY_UTIL_PCT = 50.0  # a sample counts as busy from this utilization on
 
 
 def gpu_index() -> str:
@@ -35,21 +36,25 @@ def gpu_index() -> str:
     return first if first.isdigit() else "0"
 
 
-def parse_sample(line: str) -> tuple[float, float, float, float] | None:
-    """(unix seconds, SM MHz, degrees C, W) of one ``nvidia-smi --format=csv,noheader,
-    nounits`` line of :data:`QUERY`; None for a line that does not parse ("[N/A]", cut)."""
+Sample = tuple[float, float, float, float, float]  # unix s, SM MHz, C, W, utilization %
+
+
+def parse_sample(line: str) -> Sample | None:
+    """(unix seconds, SM MHz, degrees C, W, utilization %) of one ``nvidia-smi
+    --format=csv,noheader,nounits`` line of :data:`QUERY`; None for a line that does not
+    parse ("[N/A]", cut)."""
     cells = [c.strip() for c in line.split(",")]
-    if len(cells) != 4:
+    if len(cells) != 5:
         return None
     try:
         stamp = time.mktime(time.strptime(cells[0].split(".")[0], "%Y/%m/%d %H:%M:%S"))
         frac = float("0." + cells[0].split(".")[1]) if "." in cells[0] else 0.0
-        return stamp + frac, float(cells[1]), float(cells[2]), float(cells[3])
+        return stamp + frac, float(cells[1]), float(cells[2]), float(cells[3]), float(cells[4])
     except (ValueError, IndexError):
         return None
 
 
-def summarize(samples: list[tuple[float, float, float, float]]) -> dict[str, Any] | None:
+def summarize(samples: list[Sample]) -> dict[str, Any] | None:
     """Median / min / max SM MHz, max temperature, median power of ``samples``; None
     for no sample."""
     if not samples:
@@ -81,13 +86,19 @@ class ClockSampler:
                 stdout=out, stderr=subprocess.DEVNULL,
             )  # fmt: skip
 
-    def window(self, start_s: float, end_s: float) -> dict[str, Any] | None:
+    def window(
+        self, start_s: float, end_s: float, busy_only: bool = False
+    ) -> dict[str, Any] | None:
         """:func:`summarize` of the samples taken from ``start_s`` to ``end_s`` (unix
-        seconds); None without a sampler or a sample in the window."""
+        seconds; ``busy_only``: those at :data:`BUSY_UTIL_PCT` utilization or more, e.g.
+        a training run's steps without its start-up); None without a sampler or a sample."""
         if self._proc is None or not self._path.exists():
             return None
         parsed = [parse_sample(line) for line in self._path.read_text().splitlines()]
-        return summarize([s for s in parsed if s is not None and start_s <= s[0] <= end_s])
+        return summarize([
+            s for s in parsed
+            if s is not None and start_s <= s[0] <= end_s and (not busy_only or s[4] >= BUSY_UTIL_PCT)
+        ])  # fmt: skip
 
     def stop(self) -> None:
         if self._proc is not None:

@@ -127,3 +127,22 @@ def test_breakdown_and_floor_reach_rows_json_and_markdown(tmp_path, repo):
     )
     assert "## Step breakdown of the profiled step" in text and "gap to floor %" in text
     assert "Floor: 1.6 ms from f_floor_cfg.json" in text
+
+
+def test_the_best_runs_clock_reaches_its_row():
+    """nvidia-smi's busy SM clock and power of the best run are row columns (the GPU is
+    power-capped: a step time is read beside its clock); a run without samples has none."""
+    base = {"tokens_per_s": 1.0, "mfu_pct": 1.0, "peak_reserved_gib": 80.0, "first_loss": 12.0,
+            "last_loss": 5.7}  # fmt: skip
+    clock = {"samples": 9, "sm_mhz_median": 1740.0, "sm_mhz_min": 1500.0, "sm_mhz_max": 1980.0,
+             "temp_c_max": 66.0, "power_w_median": 690.0}  # fmt: skip
+    runs = {
+        "fsdp2": [
+            {**base, "step_ms": 510.0, "clock": None},
+            {**base, "step_ms": 500.0, "clock": clock},
+        ],
+        "tide": [{**base, "step_ms": 400.0, "clock": None}],
+    }
+    rows = {r["mode"]: r for r in bench_step.compare(runs)}
+    assert rows["fsdp2"]["sm_mhz_median"] == 1740.0 and rows["fsdp2"]["power_w_median"] == 690.0
+    assert "sm_mhz_median" not in rows["tide"]

@@ -9,9 +9,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"
 import gpu_clock
 
 
-def _line(seconds: float, mhz: int, temp: int, watts: float) -> str:
+def _line(seconds: float, mhz: int, temp: int, watts: float, util: int = 100) -> str:
     stamp = time.strftime("%Y/%m/%d %H:%M:%S", time.localtime(int(seconds)))
-    return f"{stamp}.{int(1000 * (seconds % 1)):03d}, {mhz}, {temp}, {watts}"
+    return f"{stamp}.{int(1000 * (seconds % 1)):03d}, {mhz}, {temp}, {watts}, {util}"
 
 
 def test_parse_and_summarize_only_the_window(tmp_path, monkeypatch):
@@ -19,13 +19,15 @@ def test_parse_and_summarize_only_the_window(tmp_path, monkeypatch):
     lines = [
         _line(t0 + i, mhz, 60 + i, 600.0 + i) for i, mhz in enumerate([1980, 1740, 1755, 1500])
     ]
-    lines += ["2026/12/03 10:00:00.000, [N/A], [N/A], [N/A]", "cut"]
+    lines += [_line(t0 + 2.2, 345, 60, 80.0, util=0)]  # idle: out with busy_only
+    lines += ["2026/12/03 10:00:00.000, [N/A], [N/A], [N/A], [N/A]", "cut"]
     assert gpu_clock.parse_sample(lines[0])[:2] == (t0, 1980.0)
     assert gpu_clock.parse_sample(lines[-1]) is None and gpu_clock.parse_sample(lines[-2]) is None
     sampler = gpu_clock.ClockSampler.__new__(gpu_clock.ClockSampler)
     sampler._proc, sampler._path = object(), tmp_path / "clocks.csv"
     sampler._path.write_text("\n".join(lines))
-    assert sampler.window(t0 + 1, t0 + 2.5) == {
+    assert sampler.window(t0 + 1, t0 + 2.5)["samples"] == 3
+    assert sampler.window(t0 + 1, t0 + 2.5, busy_only=True) == {
         "samples": 2, "sm_mhz_median": 1747.5, "sm_mhz_min": 1740.0, "sm_mhz_max": 1755.0,
         "temp_c_max": 62.0, "power_w_median": 601.5,
     }  # fmt: skip

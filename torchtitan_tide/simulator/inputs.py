@@ -112,7 +112,8 @@ class Inputs:
     it holds while it runs. ``layout_ns``: per element, ``copy_out`` (unsharded, per
     all-gather), ``chunk_cat`` (unsharded, per reduce-scatter), ``copy_in`` (shard, per
     all-gather), per mode. ``host_ms``: per-step trainer time outside fwd+bwd and the
-    optimizer."""
+    optimizer. ``in_step_level``: :func:`in_step_compute`'s level when it was measured but
+    not applied (a one-GPU step's; :func:`with_compute_level` applies one)."""
 
     compute: Mapping[str, GroupCompute]
     root_fwd_ms: float
@@ -127,6 +128,22 @@ class Inputs:
     accumulate_gibps: float = 0.0
     accumulate_sm_share: float = 1.0
     sources: Mapping[str, str] = field(default_factory=dict)
+    in_step_level: float | None = None
+
+
+def with_compute_level(inputs: Inputs, level: float) -> Inputs:
+    """``inputs`` with every group's and the root's ms times ``level``."""
+    from dataclasses import replace
+
+    compute = {
+        k: GroupCompute(level * c.fwd_ms, level * c.bwd_ms) for k, c in inputs.compute.items()
+    }
+    return replace(
+        inputs,
+        compute=compute,
+        root_fwd_ms=level * inputs.root_fwd_ms,
+        root_bwd_ms=level * inputs.root_bwd_ms,
+    )
 
 
 def read_result(results_dir: Path, name: str) -> dict[str, Any]:
@@ -426,40 +443,109 @@ def newest_world1_fsdp_step(results_dir: Path, config: str) -> Path | None:
     return max(found)[2] if found else None
 
 
-def in_step_compute(results_dir: Path, config: str) -> tuple[float, str]:
-    """(level, source): how much longer the model's kernels take inside a training step
-    than in its per-group trace, on one GPU. In-step: the compute-stream time of the
-    profiled one-rank step (:func:`newest_world1_fsdp_step`: forward and backward, not the
-    optimizer) minus FSDP2's copy-out kernels there (``split_with_sizes_copy``, a layout op
-    the step model charges on its own); over the fwd+bwd of the bf16-parameter trace of
-    the same call (the trace file with the step's commit and machine; else the newest
-    trace, said). 1.0 when no such step was measured (said). Applied to every trace of the
-    model (bf16 and world 1). On one H200 (2026-12-03) the step ran at a lower
-    power-capped SM clock than the trace; the level carries that and any in-step cost."""
+def newest_profiled_trace(results_dir: Path, config: str) -> Path | None:
+    """The newest bf16-parameter trace of ``config`` with a profiled iteration's kernels
+    (``bench_trace --kernels``)."""
+    found = [
+        p
+        for p in results_dir.glob(f"*_trace_{config}.json")
+        if (json.loads(p.read_text()).get("profiled_iteration") or {}).get("kernels")
+    ]
+    return _newest(sorted(found))
+
+
+def matched_kernel_level(
+    step_kernels: Sequence[Mapping[str, Any]], trace: Mapping[str, Any]
+) -> tuple[float, int, float] | None:
+    """(level, kernels, share): the kernels of a profiled step (one rank's top kernels,
+    bench_step) that the trace's profiled iteration launched as often, their step ms over
+    their trace ms, how many, and their share of the trace's kernel time; None when none
+    match. Equal launch counts keep FSDP2's, the optimizer's and the collectives' kernels
+    out: what is compared is the model's own work."""
+    by_name = {k["name"]: k for k in step_kernels}
+    both = [
+        (k, by_name[k["name"]])
+        for k in trace["profiled_iteration"]["kernels"]
+        if k["name"] in by_name and by_name[k["name"]]["count"] == k["count"]
+    ]
+    trace_ms = sum(t["ms"] for t, _ in both)
+    if not both or trace_ms <= 0:
+        return None
+    level = sum(s["ms"] for _, s in both) / trace_ms
+    return level, len(both), trace_ms / trace["profiled_iteration"]["kernel_ms"]
+
+
+def _step_kernels(path: Path) -> list[list[Mapping[str, Any]]]:
+    """Per rank, the top kernels of the fsdp2 run's profiled step in a bench_step result."""
+    data = json.loads(path.read_text())
+    runs = data.get("runs", {}).get("fsdp2") or []
+    per_rank = next(
+        (r["layout"]["per_rank"] for r in runs if "per_rank" in r.get("layout", {})), {}
+    )
+    return [rank["kernels"] for rank in per_rank.values() if rank.get("kernels")]
+
+
+def in_step_compute(results_dir: Path, config: str) -> tuple[float | None, bool, str]:
+    """(level, applied, source): how much longer the model's own kernels take inside a
+    training step than in its per-group trace (:func:`matched_kernel_level`, mean over
+    ranks), from
+
+    1. the profiled fsdp2 run of the config's committed 2-GPU step (bench_step, world 2,
+       with its top kernels) against the newest profiled trace: the clock the measured
+       steps ran at; applied to every group's and the root's ms (the fsdp2 row's compute
+       then comes from the step it is validated against: said in the source);
+    2. else the profiled one-rank step (:func:`newest_world1_fsdp_step`, one GPU) against
+       the trace of the same call: reported, not applied. On one H200 (2026-12-03) it
+       follows the power-capped SM clock, which differs per model between the trace and
+       that step (Wan2.2 1.067 at 1740 vs ~1900 MHz; Llama 0.942; Qwen3 1.020), and a
+       one-GPU step's clock need not be a 2-GPU step's.
+
+    (None, False, why) when neither is measured."""
+    trace_path = newest_profiled_trace(results_dir, config)
+    two = breakdown_step_file(results_dir, config, 2)
+    if two is not None and trace_path is not None and (ranks := _step_kernels(two)):
+        trace = json.loads(trace_path.read_text())
+        levels = [m for kernels in ranks if (m := matched_kernel_level(kernels, trace))]
+        if levels:
+            level = statistics.fmean(m[0] for m in levels)
+            return (
+                level,
+                True,
+                (
+                    f"{two.name} (fsdp2 run, 2 GPUs, {len(levels)} ranks) vs {trace_path.name}: "
+                    f"{levels[0][1]} kernels launched as often in both ({100 * levels[0][2]:.0f}% of "
+                    f"the trace's kernel time) take x {level:.3f} in the step; applied (the fsdp2 "
+                    "row's compute level comes from the step it is compared with)"
+                ),
+            )
     path = newest_world1_fsdp_step(results_dir, config)
     if path is None:
-        return 1.0, (
-            f"not measured (no *_step_world1_fsdp_{config}.json: scripts/gpu/check.sh stage "
-            "world1, WORLD1_FSDP_STEP_CONFIGS): the trace's level, 1.0"
+        return (
+            None,
+            False,
+            (
+                f"not measured (no 2-GPU step of {config} with kernels, no "
+                f"*_step_world1_fsdp_{config}.json: scripts/gpu/check.sh stages step / world1)"
+            ),
         )
-    data = json.loads(path.read_text())
     prefix = path.name.split("_step_world1_fsdp_")[0]  # <date>_<machine>_<commit>
     paired = results_dir / f"{prefix}_trace_{config}.json"
-    trace_path = paired if paired.exists() else newest_trace(results_dir, config)
-    if trace_path is None:
-        return 1.0, f"{path.name}: no bf16 trace of {config} to pair it with: level 1.0"
-    trace = json.loads(trace_path.read_text())
-    row = next(r for r in data["rows"] if r["mode"] == "fsdp2")
-    run = data["runs"]["fsdp2"][0]
-    copy_out = float(run.get("layout", {}).get("split_with_sizes_copy_ms") or 0.0)
-    step_compute = row["bd_compute_ms"] - copy_out
-    level = step_compute / trace["fwd_bwd_ms"]
-    return level, (
-        f"{path.name}: profiled one-rank step (FSDP2 at world 1, one GPU), compute "
-        f"{row['bd_compute_ms']:.1f} ms - copy-out {copy_out:.1f} ms = {step_compute:.1f} ms, "
-        f"over {trace_path.name}'s fwd+bwd {trace['fwd_bwd_ms']:.1f} ms"
-        + ("" if trace_path == paired else " (not the same call: the newest trace)")
-        + f" = x {level:.3f} on every group's and the root's ms"
+    trace = json.loads(paired.read_text()) if paired.exists() else {}
+    ranks = _step_kernels(path)
+    if not (trace.get("profiled_iteration") or {}).get("kernels") or not ranks:
+        return None, False, f"{path.name}: no profiled trace of the same call ({paired.name})"
+    matched = matched_kernel_level(ranks[0], trace)
+    if matched is None:
+        return None, False, f"{path.name} vs {paired.name}: no kernel launched as often in both"
+    level, count, share = matched
+    return (
+        level,
+        False,
+        (
+            f"{path.name} (one-rank step, FSDP2 at world 1, one GPU) vs {paired.name}: {count} "
+            f"kernels launched as often in both ({100 * share:.0f}% of the trace's kernel time) "
+            f"take x {level:.3f} in the step; not applied (a one-GPU step's clock)"
+        ),
     )
 
 
@@ -569,14 +655,10 @@ def build_inputs(
         traced_ac = traced.get("activation_checkpoint", {}).get("mode", "selective")
         scale = tokens / traced_tokens
         recompute = AC_FACTOR.get(ac, 0.0) > AC_FACTOR.get(traced_ac, 0.0)
-        level = 1.0
-        if trace_config:
-            level, sources["in_step"] = in_step_compute(results_dir, trace_config)
-        compute, root_fwd, root_bwd = compute_from_trace(trace, cm.groups, scale * level, recompute)
+        compute, root_fwd, root_bwd = compute_from_trace(trace, cm.groups, scale, recompute)
         sources["compute"] = (
             f"trace {Path(path).name} (bench_trace, {trace['metadata']['machine']}), "
             f"x {scale:.3f} tokens per GPU"
-            + (f", x {level:.3f} in-step level" if level != 1.0 else "")
             + (", + forward recompute (full AC)" if recompute else "")
         )
     else:
@@ -597,6 +679,16 @@ def build_inputs(
         opt_trace = json.loads(opt_path.read_text())
     opt = (opt_trace["adamw_ms"] + opt_trace["clip_ms"]) / opt_trace["work"]["shard_params"]
     sources["optimizer"] = f"trace {opt_path.name}: AdamW + clip ms per shard element"
+    level = None
+    if trace_config and trace is not None:
+        level, applied, sources["in_step"] = in_step_compute(results_dir, trace_config)
+        if applied and level is not None:
+            compute = {
+                k: GroupCompute(level * c.fwd_ms, level * c.bwd_ms) for k, c in compute.items()
+            }
+            root_fwd, root_bwd = level * root_fwd, level * root_bwd
+            sources["compute"] += f", x {level:.3f} in-step level (applied)"
+            level = None  # in the compute already: nothing left to report as not applied
     host, sources["host"] = host_ms(cm.table, trace_config or "", results_dir)
     layer = COLLECTIVE_LAYER.get(model, "llama70b")
     bandwidth, sources["bandwidth"] = collective_bandwidths(results_dir, layer)
@@ -608,7 +700,7 @@ def build_inputs(
     layout, sources["layout"] = layout_costs(results_dir, trace_config or "")
     return Inputs(
         compute, root_fwd, root_bwd, opt, host, bandwidth, gemm, layout, cls,
-        comm, acc_gibps, acc_share, sources,
+        comm, acc_gibps, acc_share, sources, level,
     )  # fmt: skip
 
 
