@@ -115,7 +115,7 @@ def test_profiled_fsdp_step_at_world_size_1_on_one_gpu(tmp_path):
     data = json.loads(result.read_text())
     (run,) = data["runs"]["fsdp2"]
     assert run["layout"]["total_ms"] > 0, run["layout"]
-    if shutil.which("nvidia-smi"):  # the run's busy SM clock and power, sampled beside it
-        assert run["clock"]["samples"] >= 1 and data["rows"][0]["sm_mhz_median"] > 0
+    if shutil.which("nvidia-smi") and run["clock"]:  # a debug-model run may never look busy
+        assert run["clock"]["sm_mhz_median"] == data["rows"][0]["sm_mhz_median"] > 0
     assert run["layout"]["per_rank"]["rank0"]["kernels"]
     assert run["breakdown"]["compute_ms"] > 0, run["breakdown"]

@@ -2,6 +2,8 @@
 
 import sys
 import time
+
+import pytest
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
@@ -46,3 +48,28 @@ def test_without_nvidia_smi_nothing_is_sampled(monkeypatch):
     sampler = gpu_clock.ClockSampler("0")
     assert sampler.window(0, time.time()) is None
     sampler.stop()
+
+
+@pytest.mark.gpu
+def test_busy_samples_beside_real_gpu_work():
+    """On the GPU machine: nvidia-smi's samples of a 3 s matmul loop are busy ones, with a
+    clock, a temperature and a power draw."""
+    import shutil
+
+    import torch
+
+    if not torch.cuda.is_available() or shutil.which("nvidia-smi") is None:
+        pytest.skip("needs CUDA and nvidia-smi")
+    sampler = gpu_clock.ClockSampler(gpu_clock.gpu_index())
+    try:
+        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        started = time.time()
+        while time.time() - started < 3.0:
+            for _ in range(20):
+                a = torch.nn.functional.normalize(a @ a, dim=-1)
+            torch.cuda.synchronize()
+        busy = sampler.window(started, time.time(), busy_only=True)
+    finally:
+        sampler.stop()
+    assert busy is not None and busy["samples"] >= 3, busy
+    assert busy["sm_mhz_median"] > 500 and busy["power_w_median"] > 0 and busy["temp_c_max"] > 0
