@@ -119,3 +119,10 @@ def test_profiled_fsdp_step_at_world_size_1_on_one_gpu(tmp_path):
         assert run["clock"]["sm_mhz_median"] == data["rows"][0]["sm_mhz_median"] > 0
     assert run["layout"]["per_rank"]["rank0"]["kernels"]
     assert run["breakdown"]["compute_ms"] > 0, run["breakdown"]
+
+
+def test_a_two_process_run_with_the_variable_is_refused_by_name(tmp_path):
+    with pytest.raises(AssertionError) as failed:
+        run_train(tmp_path, "--training.steps", "1", nproc=2, **{world1_fsdp.ENV: "1"})
+    assert f"{world1_fsdp.ENV}=1 is for one-process runs" in str(failed.value)
+    assert "WORLD_SIZE=2" in str(failed.value)
