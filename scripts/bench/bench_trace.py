@@ -20,11 +20,12 @@ no FSDP at world 1): fp32 weights, forward and loss under ``torch.autocast`` to
 ``training.mixed_precision_param`` (a cast of every weight at each use), fp32 gradients;
 use it with ``--world-size 1``. The simulator's world-1 rows read it.
 
-``--heat-s S`` runs fwd+bwd for S seconds before the warm-up: the H200 is power-capped and
-its SM clock depends on what ran before, so a trace taken on a cool GPU times the kernels
-faster than a training job's steady state (docs/2026-12-02-simulator.md, 2026-12-03).
-With ``nvidia-smi`` the timed iterations' SM clock, temperature and power are recorded
-(``clock``).
+``--heat-s S`` runs fwd+bwd for S seconds before the warm-up, so the timed iterations start
+on a GPU as warm as a training job's. The H200 is power-capped: its SM clock follows the
+power the work draws. On one H200 (2026-12-03) 75 s of heat left the Wan2.2 trace within
+0.2% of a cool one, while the same kernels ran 7% slower inside a training step
+(docs/2026-12-02-simulator.md). With ``nvidia-smi`` the timed iterations' SM clock,
+temperature and power are recorded (``clock``), to read a trace beside its clock.
 
 ``--kernels TOP`` (CUDA) profiles one more fwd+bwd after the timed ones and keeps its
 device time and TOP kernels by name (``profiled_iteration``), to compare with bench_step's
@@ -191,9 +192,8 @@ def world1_precision(work: bench_floor.FloorWork, job_config, device: torch.devi
 
 
 def heat(iteration: Callable[[], object], seconds: float) -> int:
-    """Run ``iteration`` until ``seconds`` of wall time have passed (each one synchronizes):
-    a power-capped GPU then times in the hot steady state of a training job rather than
-    at the clocks of a cool one. Returns the iterations run."""
+    """Run ``iteration`` until ``seconds`` of wall time have passed (each one synchronizes),
+    so the timed iterations start on a warm GPU. Returns the iterations run."""
     count, end = 0, time.perf_counter() + seconds
     while time.perf_counter() < end:
         iteration()
@@ -364,8 +364,8 @@ def main(argv: Sequence[str] | None = None, runner: Callable = run) -> int:
                              "the one-GPU trainer runs (fp32 weights under autocast)")  # fmt: skip
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--heat-s", type=float, default=0.0,
-                        help="run fwd+bwd for this many seconds before --warmup (a "
-                             "power-capped GPU then times at a training job's steady clocks)")  # fmt: skip
+                        help="run fwd+bwd for this many seconds before --warmup (a GPU as "
+                             "warm as a training job's)")  # fmt: skip
     parser.add_argument("--kernels", type=int, default=0, metavar="TOP",
                         help="CUDA: profile one more fwd+bwd and keep its TOP kernels by "
                              "device time (profiled_iteration; 0: no profile)")  # fmt: skip
