@@ -13,12 +13,16 @@ BENCH = REPO / "scripts" / "bench"
 TINY = ["--config", "debug_model", "--training.seq_len", "32", "--training.local_batch_size", "1"]
 
 
-def test_trace_debug_model_on_cpu(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "bench_trace.py"), "--device", "cpu", "--iters", "1",
-         "--warmup", "0", "--out-dir", str(tmp_path), *TINY],
+def run_trace(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """bench_trace.py on the tiny debug model, results under ``tmp_path``."""
+    return subprocess.run(
+        [sys.executable, str(BENCH / "bench_trace.py"), *args, "--out-dir", str(tmp_path), *TINY],
         capture_output=True, text=True, timeout=300, cwd=REPO, check=False,
     )  # fmt: skip
+
+
+def test_trace_debug_model_on_cpu(tmp_path):
+    proc = run_trace(tmp_path, "--device", "cpu", "--iters", "1", "--warmup", "0")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (path,) = tmp_path.glob("*_trace_debug_model.json")
     result = json.loads(path.read_text())
@@ -37,13 +41,10 @@ def test_trace_debug_model_on_cpu(tmp_path):
 def test_trace_world1_precision_on_cpu(tmp_path):
     """--precision world1: what the one-GPU trainer runs (fp32 weights, forward under
     autocast), written as trace_world1_<config>; refused with a world size other than 1."""
-    base = [sys.executable, str(BENCH / "bench_trace.py"), "--device", "cpu", "--iters", "1",
-            "--warmup", "0", "--out-dir", str(tmp_path), "--precision", "world1", *TINY]  # fmt: skip
-    bad = subprocess.run([*base, "--world-size", "2"], capture_output=True, text=True,
-                         timeout=300, cwd=REPO, check=False)  # fmt: skip
+    base = ["--device", "cpu", "--iters", "1", "--warmup", "0", "--precision", "world1"]
+    bad = run_trace(tmp_path, *base, "--world-size", "2")
     assert bad.returncode != 0 and "--world-size 1" in bad.stderr
-    proc = subprocess.run([*base, "--world-size", "1"], capture_output=True, text=True,
-                          timeout=300, cwd=REPO, check=False)  # fmt: skip
+    proc = run_trace(tmp_path, *base, "--world-size", "1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert not list(tmp_path.glob("*_trace_debug_model.json"))
     (path,) = tmp_path.glob("*_trace_world1_debug_model.json")
@@ -80,11 +81,8 @@ def test_an_optimizer_that_does_not_fit_keeps_the_trace():
 def test_kernels_on_cpu_are_named_as_ignored_and_heat_runs_first(tmp_path):
     """--kernels profiles CUDA kernels; on CPU the run says it ignored the option.
     --heat-s runs fwd+bwd before the timed iterations and says so."""
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "bench_trace.py"), "--device", "cpu", "--iters", "1",
-         "--warmup", "0", "--kernels", "5", "--heat-s", "0.5", "--out-dir", str(tmp_path), *TINY],
-        capture_output=True, text=True, timeout=300, cwd=REPO, check=False,
-    )  # fmt: skip
+    proc = run_trace(tmp_path, "--device", "cpu", "--iters", "1", "--warmup", "0",
+                     "--kernels", "5", "--heat-s", "0.5")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "--kernels ignored on cpu" in proc.stdout
     (path,) = tmp_path.glob("*_trace_debug_model.json")
@@ -102,11 +100,7 @@ def test_kernels_of_a_profiled_iteration_on_gpu(tmp_path):
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "bench_trace.py"), "--iters", "2", "--warmup", "1",
-         "--kernels", "5", "--out-dir", str(tmp_path), *TINY],
-        capture_output=True, text=True, timeout=300, cwd=REPO, check=False,
-    )  # fmt: skip
+    proc = run_trace(tmp_path, "--iters", "2", "--warmup", "1", "--kernels", "5")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (path,) = tmp_path.glob("*_trace_debug_model.json")
     result = json.loads(path.read_text())

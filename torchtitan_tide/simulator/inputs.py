@@ -392,17 +392,24 @@ def cross_node_transports(results_dir: Path) -> str:
     return f"{CROSS_NODE_FILE} (bench_cross_node, 2 emulated nodes on one H200): {text}"
 
 
-def breakdown_step_file(results_dir: Path, config: str, world: int) -> Path | None:
-    """The newest committed ``bench_step`` result of ``config`` run at ``world`` ranks
-    with a profiled step breakdown (``bd_*`` columns of its ``fsdp2`` row), if any."""
+def _newest_profiled_step(results_dir: Path, name: str, world: int | None) -> Path | None:
+    """The newest committed ``*_<name>.json`` (bench_step) whose fsdp2 row has a profiled
+    step breakdown (``bd_*`` columns), run at ``world`` ranks (None: any)."""
     found = []
-    name = f"step_world1_{config}" if world == 1 else f"step_{config}"  # bench_step's names
     for path in results_dir.glob(f"*_{name}.json"):
         data = json.loads(path.read_text())
         row = next((r for r in data.get("rows", []) if r.get("mode") == "fsdp2"), {})
-        if data.get("metadata", {}).get("world_size") == world and row.get("bd_step_ms"):
-            found.append((data["metadata"].get("date", ""), path.name, path))
+        meta = data.get("metadata", {})
+        if row.get("bd_step_ms") and world in (None, meta.get("world_size")):
+            found.append((meta.get("date", ""), path.name, path))
     return max(found)[2] if found else None
+
+
+def breakdown_step_file(results_dir: Path, config: str, world: int) -> Path | None:
+    """The newest committed ``bench_step`` result of ``config`` run at ``world`` ranks
+    with a profiled step breakdown (``bd_*`` columns of its ``fsdp2`` row), if any."""
+    name = f"step_world1_{config}" if world == 1 else f"step_{config}"  # bench_step's names
+    return _newest_profiled_step(results_dir, name, world)
 
 
 def _breakdown(path: Path) -> dict[str, float]:
@@ -434,13 +441,7 @@ def newest_world1_fsdp_step(results_dir: Path, config: str) -> Path | None:
     """The newest ``*_step_world1_fsdp_<config>.json`` (``bench_step.py
     --fsdp-at-world-size-1``: one rank's work of the config's multi-GPU step, FSDP2 over a
     one-rank mesh on one GPU) whose fsdp2 row has a profiled step breakdown."""
-    found = []
-    for path in results_dir.glob(f"*_step_world1_fsdp_{config}.json"):
-        data = json.loads(path.read_text())
-        row = next((r for r in data.get("rows", []) if r.get("mode") == "fsdp2"), {})
-        if row.get("bd_compute_ms"):
-            found.append((data.get("metadata", {}).get("date", ""), path.name, path))
-    return max(found)[2] if found else None
+    return _newest_profiled_step(results_dir, f"step_world1_fsdp_{config}", None)
 
 
 def newest_profiled_trace(results_dir: Path, config: str) -> Path | None:
@@ -679,16 +680,11 @@ def build_inputs(
         opt_trace = json.loads(opt_path.read_text())
     opt = (opt_trace["adamw_ms"] + opt_trace["clip_ms"]) / opt_trace["work"]["shard_params"]
     sources["optimizer"] = f"trace {opt_path.name}: AdamW + clip ms per shard element"
-    level = None
+    level, applied = None, False
     if trace_config and trace is not None:
         level, applied, sources["in_step"] = in_step_compute(results_dir, trace_config)
         if applied and level is not None:
-            compute = {
-                k: GroupCompute(level * c.fwd_ms, level * c.bwd_ms) for k, c in compute.items()
-            }
-            root_fwd, root_bwd = level * root_fwd, level * root_bwd
             sources["compute"] += f", x {level:.3f} in-step level (applied)"
-            level = None  # in the compute already: nothing left to report as not applied
     host, sources["host"] = host_ms(cm.table, trace_config or "", results_dir)
     layer = COLLECTIVE_LAYER.get(model, "llama70b")
     bandwidth, sources["bandwidth"] = collective_bandwidths(results_dir, layer)
@@ -698,10 +694,11 @@ def build_inputs(
     acc_gibps, acc_share, sources["accumulate"] = accumulate_rate(results_dir)
     sources["cross_node"] = cross_node_transports(results_dir)
     layout, sources["layout"] = layout_costs(results_dir, trace_config or "")
-    return Inputs(
+    inputs = Inputs(
         compute, root_fwd, root_bwd, opt, host, bandwidth, gemm, layout, cls,
-        comm, acc_gibps, acc_share, sources, level,
+        comm, acc_gibps, acc_share, sources, None if applied else level,
     )  # fmt: skip
+    return with_compute_level(inputs, level) if applied and level is not None else inputs
 
 
 def inputs_record(inputs: Inputs) -> dict[str, Any]:
