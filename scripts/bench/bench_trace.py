@@ -328,6 +328,7 @@ def write_outputs(stem: Path, result: dict[str, Any]) -> str:
             else f"ms; optimizer not timed ({result['optimizer_error']})"
         )
         + f". Groups: {result['grouping']}."
+        + bench_floor.zero_fill_note(about)
         + (
             f" Heated {result['heat_s']:g} s ({result['heat_iters']} fwd+bwd) first."
             if result.get("heat_s")

@@ -105,6 +105,20 @@ def test_floor_wan22_cpu_uses_its_data_and_full_ac():
     assert math.isclose(about["shard_params"] / about["params"], 0.25, rel_tol=0.05)
     assert bench_floor.summarize(rounds)["floor_ms"] > 0
     assert all(p.grad is not None for p in work.model.parameters())  # backward reached all
+    # init_weights zeroes the output head (and biases): left so, every gradient above the
+    # head would be zero and backward would be timed on zeros
+    assert "head.head.weight" in about["zero_params_filled"]
+    assert "layers.*.ffn.0.bias" in bench_floor.name_patterns(about["zero_params_filled"])
+    assert all(p.grad.any() for p in work.model.parameters())
+
+
+def test_fill_zero_parameters_fills_only_all_zero_tensors():
+    layer = torch.nn.Linear(8, 4)
+    torch.nn.init.zeros_(layer.bias)
+    weight = layer.weight.detach().clone()
+    assert bench_floor.fill_zero_parameters(layer, std=1e-4, seed=0) == ["bias"]
+    assert torch.equal(layer.weight, weight) and layer.bias.all()
+    assert 0 < layer.bias.abs().max() < 1e-3  # normal(0, 1e-4): the size of AdamW's first step
 
 
 @pytest.mark.gpu
