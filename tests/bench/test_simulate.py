@@ -310,6 +310,34 @@ def test_inputs_name_their_sources_and_charge_tide_rs_once():
     assert ins.bandwidth_gibps["tide"]["rs"] > 0.5 * 455.7
 
 
+def test_shape_class_counts_one_grouped_gemm_over_every_expert():
+    from types import SimpleNamespace
+
+    def moe(grouped):
+        args = SimpleNamespace(top_k=8, num_experts=128, use_grouped_mm=grouped)
+        return SimpleNamespace(dim=2048, moe_args=args)
+
+    # 8192 tokens x top 8 / 128 experts = 512 rows per expert: 4 x 16 = 64 tiles each
+    cls, why = inputs.shape_class_of(moe(False), 8192)
+    assert cls == inputs.SINGLE_WAVE and "64 tiles" in why  # one launch per expert
+    cls, why = inputs.shape_class_of(moe(True), 8192)
+    assert cls == inputs.LARGE and "128 x (512 rows x dim 2048): 8192 tiles" in why
+    assert inputs.shape_class_of(SimpleNamespace(dim=1024), 1024)[0] == inputs.SINGLE_WAVE
+
+
+def test_stock_step_spread_over_committed_runs(tmp_path):
+    def write(name, world, ms):
+        rows = [{"mode": "fsdp2", "best_step_ms": ms}, {"mode": "tide", "best_step_ms": 1.0}]
+        data = {"metadata": {"world_size": world}, "rows": rows}
+        (tmp_path / f"{name}_step_cfg.json").write_text(json.dumps(data))
+
+    write("a", 2, 190.0)
+    assert inputs.stock_step_spread(tmp_path, "cfg") is None  # one run: no spread
+    write("b", 2, 182.5)
+    write("c", 1, 100.0)  # another world size: not the same measurement
+    assert inputs.stock_step_spread(tmp_path, "cfg") == (182.5, 190.0, 2)
+
+
 def test_validation_rows_carry_their_keys_and_explain_misses():
     rows = report.validation_rows(inputs.RESULTS, cluster.Cluster())
     modes = {(r["config"], r["mode"]) for r in rows}

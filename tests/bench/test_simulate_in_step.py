@@ -44,16 +44,16 @@ def test_nothing_measured_says_so(tmp_path):
     assert level is None and not applied and source.startswith("not measured")
 
 
-def test_one_gpu_step_is_reported_against_the_same_calls_trace_not_applied(tmp_path):
-    _trace(tmp_path, "2026-12-03_nvidia-h200-x-1_aaa", "2026-12-03T09:00:00Z", TRACE_KERNELS)
-    _trace(tmp_path, "2026-12-04_nvidia-h200-x-1_bbb", "2026-12-04T09:00:00Z",
-           [_kernel(ATTN, 10.0, 40)])  # newer, another call: not the pair  # fmt: skip
+def test_one_gpu_step_is_reported_against_the_newest_trace_not_applied(tmp_path):
+    _trace(tmp_path, "2026-12-03_nvidia-h200-x-1_aaa", "2026-12-03T09:00:00Z",
+           [_kernel(ATTN, 10.0, 40)])  # older (e.g. timed on zero gradients): not the pair  # fmt: skip
+    _trace(tmp_path, "2026-12-04_nvidia-h200-x-1_bbb", "2026-12-04T09:00:00Z", TRACE_KERNELS)
     step = [_kernel(ATTN, 55.0, 40), _kernel(GEMM, 44.0, 280), _kernel(CAST, 30.0, 97)]
     _step(tmp_path, f"2026-12-03_nvidia-h200-x-1_aaa_step_world1_fsdp_{CONFIG}.json",
           "2026-12-03T09:05:00Z", 1, [step])  # fmt: skip
     level, applied, source = inputs.in_step_compute(tmp_path, CONFIG)
     assert level == pytest.approx(99.0 / 90.0)  # the cast (97 vs 16 launches) is left out
-    assert not applied and "not applied" in source and "aaa_trace" in source
+    assert not applied and "not applied" in source and "bbb_trace" in source
     assert "2 kernels" in source and "90% of the trace's kernel time" in source
 
 

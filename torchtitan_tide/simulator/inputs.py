@@ -309,15 +309,22 @@ def tokens_per_gpu(table: Mapping[str, Any], model_args: Any) -> int:
 
 
 def shape_class_of(model_args: Any, tokens: int) -> tuple[str, str]:
-    """``single_wave`` when the feed-forward GEMM's output tiles (128 x 128) fit in one
-    wave of the H200's SMs (MoE: tokens x top_k / experts rows per expert), else
-    ``large``; and the sentence saying why."""
+    """``single_wave`` when one launch of the feed-forward GEMM has output tiles (128 x
+    128) that fit in one wave of the H200's SMs, else ``large``; and the sentence saying
+    why. MoE: tokens x top_k / experts rows per expert; with ``use_grouped_mm`` (TorchTitan's
+    default) one grouped GEMM computes every expert, so its tiles are the experts' sum
+    (measured: Qwen3's grouped GEMM launches 132 CTAs, every SM); with the for-loop, one
+    launch per expert."""
     moe = getattr(model_args, "moe_args", None)
     rows = tokens * moe.top_k / moe.num_experts if moe is not None else tokens
     dim = int(getattr(model_args, "dim", 0))
     tiles = math.ceil(rows / 128) * math.ceil(dim / 128)
+    what = f"FFN GEMM {int(rows)} rows x dim {dim}"
+    if moe is not None and getattr(moe, "use_grouped_mm", False):
+        tiles *= moe.num_experts
+        what = f"grouped expert GEMM, {moe.num_experts} x ({int(rows)} rows x dim {dim})"
     cls = SINGLE_WAVE if tiles <= H200_SMS else LARGE
-    return cls, f"FFN GEMM {int(rows)} rows x dim {dim}: {tiles} tiles vs {H200_SMS} SMs -> {cls}"
+    return cls, f"{what}: {tiles} tiles per launch vs {H200_SMS} SMs -> {cls}"
 
 
 def compute_from_trace(
@@ -496,10 +503,11 @@ def in_step_compute(results_dir: Path, config: str) -> tuple[float | None, bool,
        steps ran at; applied to every group's and the root's ms (the fsdp2 row's compute
        then comes from the step it is validated against: said in the source);
     2. else the profiled one-rank step (:func:`newest_world1_fsdp_step`, one GPU) against
-       the trace of the same call: reported, not applied. On one H200 (2026-12-03) it
-       follows the power-capped SM clock, which differs per model between the trace and
-       that step (Wan2.2 1.067 at 1740 vs ~1900 MHz; Llama 0.942; Qwen3 1.020), and a
-       one-GPU step's clock need not be a 2-GPU step's.
+       the newest profiled trace: reported, not applied (a one-GPU step's SM clock need
+       not be a 2-GPU step's). On one H200, 2026-12-03: Llama 0.942 (its trace runs
+       power-capped at ~1470 MHz), Qwen3 1.020; Wan2.2 1.067 against traces timed on zero
+       gradients (its zero-initialized head; bench_floor fills it since 3b5ee72), 0.98
+       against the trace after the fix.
 
     (None, False, why) when neither is measured."""
     trace_path = newest_profiled_trace(results_dir, config)
@@ -529,21 +537,18 @@ def in_step_compute(results_dir: Path, config: str) -> tuple[float | None, bool,
                 f"*_step_world1_fsdp_{config}.json: scripts/gpu/check.sh stages step / world1)"
             ),
         )
-    prefix = path.name.split("_step_world1_fsdp_")[0]  # <date>_<machine>_<commit>
-    paired = results_dir / f"{prefix}_trace_{config}.json"
-    trace = json.loads(paired.read_text()) if paired.exists() else {}
     ranks = _step_kernels(path)
-    if not (trace.get("profiled_iteration") or {}).get("kernels") or not ranks:
-        return None, False, f"{path.name}: no profiled trace of the same call ({paired.name})"
-    matched = matched_kernel_level(ranks[0], trace)
+    if trace_path is None or not ranks:
+        return None, False, f"{path.name}: no top kernels, or no profiled trace of {config}"
+    matched = matched_kernel_level(ranks[0], json.loads(trace_path.read_text()))
     if matched is None:
-        return None, False, f"{path.name} vs {paired.name}: no kernel launched as often in both"
+        return None, False, f"{path.name} vs {trace_path.name}: no kernel launched as often in both"
     level, count, share = matched
     return (
         level,
         False,
         (
-            f"{path.name} (one-rank step, FSDP2 at world 1, one GPU) vs {paired.name}: {count} "
+            f"{path.name} (one-rank step, FSDP2 at world 1, one GPU) vs {trace_path.name}: {count} "
             f"kernels launched as often in both ({100 * share:.0f}% of the trace's kernel time) "
             f"take x {level:.3f} in the step; not applied (a one-GPU step's clock)"
         ),
@@ -580,6 +585,22 @@ def measured_step(results_dir: Path, config: str, mode: str) -> tuple[float | No
     name, row_mode = MEASURED_STEPS[config][mode]
     row = next((r for r in read_result(results_dir, name)["rows"] if r["mode"] == row_mode), {})
     return row.get("best_step_ms"), f"{name} ({row_mode!r} row)"
+
+
+def stock_step_spread(results_dir: Path, config: str) -> tuple[float, float, int] | None:
+    """(lowest, highest, count) of the best step ms of stock FSDP2 (the ``fsdp2`` row)
+    over every committed 2-GPU ``bench_step`` result of ``config``: the measurement's own
+    run-to-run spread (stock FSDP2's path does not change between our commits); None when
+    fewer than two runs exist."""
+    found = []
+    for path in results_dir.glob(f"*_step_{config}.json"):
+        data = json.loads(path.read_text())
+        if data.get("metadata", {}).get("world_size") not in (None, 2):
+            continue
+        row = next((r for r in data.get("rows", []) if r.get("mode") == "fsdp2"), {})
+        if isinstance(row.get("best_step_ms"), (int, float)):
+            found.append(row["best_step_ms"])
+    return (min(found), max(found), len(found)) if len(found) > 1 else None
 
 
 def newest_world1_trace(results_dir: Path, config: str) -> Path | None:
