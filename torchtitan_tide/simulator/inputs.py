@@ -504,10 +504,10 @@ def in_step_compute(results_dir: Path, config: str) -> tuple[float | None, bool,
        then comes from the step it is validated against: said in the source);
     2. else the profiled one-rank step (:func:`newest_world1_fsdp_step`, one GPU) against
        the newest profiled trace: reported, not applied (a one-GPU step's SM clock need
-       not be a 2-GPU step's). On one H200, 2026-12-03: Llama 0.942 (its trace runs
-       power-capped at ~1470 MHz), Qwen3 1.020; Wan2.2 1.067 against traces timed on zero
-       gradients (its zero-initialized head; bench_floor fills it since 3b5ee72), 0.98
-       against the trace after the fix.
+       not be a 2-GPU step's). On one H200, 2026-12-03: Llama 0.953 (its trace runs
+       power-capped at ~1470 MHz), Qwen3 1.010, Wan2.2 0.982; Wan2.2 was 1.067 against its
+       traces timed on zero gradients (the zero-initialized head, which bench_floor fills
+       since 3b5ee72).
 
     (None, False, why) when neither is measured."""
     trace_path = newest_profiled_trace(results_dir, config)

@@ -56,11 +56,10 @@ UNEXPLAINED = {
         "~1470-1560 MHz); a 2-GPU profiled step breakdown with clocks would split it"
     ),
     ("h200x2_qwen3_30b_a3b_4layers", "fsdp2"): (
-        "over, not explained by a measured input: the largest charged term is compute slowed "
-        "beside NCCL's collectives (20 SM-ms; bench_interference's synthetic single-wave GEMMs "
-        "+105% beside the ring reduce-scatter, timed in short bursts; the model's own kernels "
-        "beside a collective are not measured); the measured stock step itself spans "
-        "182.4-196.1 ms over three committed 2-GPU runs (column 'stock fsdp2 measured range')"
+        "not explained by a measured input: the largest uncertain term is compute slowed "
+        "beside NCCL's collectives (bench_interference's synthetic GEMM of the shape class; "
+        "the grouped expert GEMM itself is not timed beside a collective); the measured stock "
+        "step itself varies between runs (column 'stock fsdp2 measured range')"
     ),
 }
 
