@@ -4,8 +4,11 @@
         [--modes fsdp2,symm_mem,tide]
     python scripts/bench/bench_interference.py --small --out-dir /tmp/i   # tiny layer (tests)
 
-GEMMs (bf16, ``torch.matmul`` into a preallocated output, on the compute stream):
-``single_wave`` = A[M=1024, K=4096] @ B[K=4096, N=8192] and ``large`` = 8192 x 8192 x 8192.
+GEMMs (bf16, on the compute stream): ``single_wave`` = A[M=1024, K=4096] @ B[K=4096,
+N=8192] and ``large`` = 8192 x 8192 x 8192 (``torch.matmul`` into a preallocated output);
+``grouped_experts`` = one ``torch._grouped_mm`` over 128 experts of 512 rows, K=768,
+N=2048 (Qwen3-30B-A3B's expert down-projection at 8192 tokens x top 8, as TorchTitan's
+MoE runs it: every expert in one launch).
 Collectives: one Llama-3.1-70B layer as one FSDP group (fp32 master, bf16 params, fp32
 reduce), per mode (``fsdp2``; ``symm_mem`` in its own spawn with ``NCCL_CTA_POLICY=2``;
 ``tide`` = TIDE-AG + TIDE-RS), issued as in training:
@@ -49,13 +52,16 @@ import bench_collectives
 import common
 import harness  # on import: NVLink multicast off (docs/2026-11-29-h200-facts.md)
 
-GEMMS: dict[str, tuple[int, int, int]] = {  # name -> (M, K, N)
+# name -> (M, K, N); a grouped GEMM: (experts, M per expert, K, N)
+GEMMS: dict[str, tuple[int, ...]] = {
     "single_wave": (1024, 4096, 8192),
     "large": (8192, 8192, 8192),
+    "grouped_experts": (128, 512, 768, 2048),
 }
-SMALL_GEMMS: dict[str, tuple[int, int, int]] = {
+SMALL_GEMMS: dict[str, tuple[int, ...]] = {
     "single_wave": (256, 512, 512),
     "large": (1024,) * 3,
+    "grouped_experts": (4, 64, 128, 128),
 }
 MODES = ("fsdp2", "symm_mem", "tide")
 OPS = ("ag", "rs")
@@ -90,8 +96,12 @@ class BenchConfig:
     stem: str
 
 
-def gemm_label(name: str, mkn: Sequence[int]) -> str:
-    return f"{name} ({mkn[0]}, {mkn[1]}, {mkn[2]})"
+def gemm_label(name: str, shape: Sequence[int]) -> str:
+    """``single_wave (1024, 4096, 8192)``; a grouped GEMM ``grouped_experts (128 x 512,
+    768, 2048)`` (experts x rows per expert, K, N)."""
+    if len(shape) == 4:
+        return f"{name} ({shape[0]} x {shape[1]}, {shape[2]}, {shape[3]})"
+    return f"{name} ({shape[0]}, {shape[1]}, {shape[2]})"
 
 
 def overlapped(intervals: Sequence[tuple[float, float]], coll_end_ms: float) -> list[float]:
@@ -124,6 +134,29 @@ class Gemm:
         torch.matmul(self.a, self.b, out=self.out)
 
 
+class GroupedGemm:
+    """One bf16 grouped GEMM as TorchTitan's MoE runs its experts: ``torch._grouped_mm``
+    of A [experts x M, K] (each expert's M rows in turn) with every expert's weight
+    [N, K] transposed, random operands; the output is allocated per call (the op has no
+    ``out=``)."""
+
+    def __init__(self, shape: Sequence[int], device: torch.device, seed: int) -> None:
+        experts, m, k, n = shape
+        gen = torch.Generator(device=device).manual_seed(seed)
+        self.a = torch.randn(experts * m, k, device=device, dtype=torch.bfloat16, generator=gen)
+        self.w = torch.randn(experts, n, k, device=device, dtype=torch.bfloat16, generator=gen)
+        self.offs = torch.arange(1, experts + 1, device=device, dtype=torch.int32) * m
+        self.out: torch.Tensor | None = None
+
+    def __call__(self) -> None:
+        self.out = torch._grouped_mm(self.a, self.w.transpose(-2, -1), offs=self.offs)
+
+
+def build_gemm(shape: Sequence[int], device: torch.device, seed: int) -> Gemm | GroupedGemm:
+    """:class:`Gemm` for an (M, K, N) shape, :class:`GroupedGemm` for (experts, M, K, N)."""
+    return GroupedGemm(shape, device, seed) if len(shape) == 4 else Gemm(shape, device, seed)
+
+
 @dataclass
 class Burst:
     """Timing events of one burst; read them with :meth:`times` after a sync."""
@@ -141,7 +174,7 @@ class Burst:
 
 
 def run_burst(
-    gemm: Gemm | None,
+    gemm: Callable[[], None] | None,
     n: int,
     device: torch.device,
     issue: Callable[[], torch.Event | None] | None = None,
@@ -166,7 +199,7 @@ def run_burst(
     return Burst(origin, coll_end, marks)
 
 
-def gemm_alone(gemm: Gemm, device: torch.device, n: int, reps: int) -> list[float]:
+def gemm_alone(gemm: Callable[[], None], device: torch.device, n: int, reps: int) -> list[float]:
     """GEMM times of ``reps`` bursts of ``n`` without a collective."""
     times: list[float] = []
     for _ in range(reps):
@@ -177,7 +210,7 @@ def gemm_alone(gemm: Gemm, device: torch.device, n: int, reps: int) -> list[floa
 
 
 def beside_collective(
-    op: str, model, group, gemm: Gemm | None, n: int, device: torch.device, rank: int, step: int
+    op: str, model, group, gemm: Callable[[], None] | None, n: int, device: torch.device, rank: int, step: int
 ) -> tuple[float, list[float]]:
     """One collective ``op`` with ``n`` GEMMs queued beside it: (collective ms,
     durations of the GEMMs that ended before it). Leaves the model resharded."""
@@ -212,7 +245,7 @@ def beside_collective(
 
 
 def measure_mode(
-    mode: str, gemms: dict[str, Gemm], alone: dict[str, float], device, reps: int, small: bool
+    mode: str, gemms: dict[str, Callable[[], None]], alone: dict[str, float], device, reps: int, small: bool
 ) -> dict[str, Any]:
     """Every (op, GEMM) beside ``mode``'s collectives on a fresh model, plus the
     collectives alone. Raises on failure (the caller records it)."""
@@ -267,7 +300,7 @@ def measure_mode(
 def _worker(rank: int, world: int, cfg: BenchConfig) -> None:
     device = torch.device("cuda", rank)
     shapes = SMALL_GEMMS if cfg.small else GEMMS
-    gemms = {name: Gemm(mkn, device, seed=i) for i, (name, mkn) in enumerate(shapes.items())}
+    gemms = {name: build_gemm(shape, device, seed=i) for i, (name, shape) in enumerate(shapes.items())}
     results = json.loads(Path(cfg.stem + ".json").read_text()) if rank == 0 else {}
     for rnd in range(1, ROUNDS + 1):
         alone = {}

@@ -322,7 +322,13 @@ def test_shape_class_counts_one_grouped_gemm_over_every_expert():
     assert cls == inputs.SINGLE_WAVE and "64 tiles" in why  # one launch per expert
     cls, why = inputs.shape_class_of(moe(True), 8192)
     assert cls == inputs.LARGE and "128 x (512 rows x dim 2048): 8192 tiles" in why
+    assert "not been timed beside a collective" in why
+    cls, why = inputs.shape_class_of(moe(True), 8192, measured={"large", inputs.GROUPED})
+    assert cls == inputs.GROUPED and "measured beside the collectives" in why
+    assert inputs.shape_class_of(moe(False), 8192, {inputs.GROUPED})[0] == inputs.SINGLE_WAVE
     assert inputs.shape_class_of(SimpleNamespace(dim=1024), 1024)[0] == inputs.SINGLE_WAVE
+    # the committed result predates the grouped GEMM: the tile rule decides
+    assert inputs.interference_classes(inputs.RESULTS) == {inputs.SINGLE_WAVE, inputs.LARGE}
 
 
 def test_stock_step_spread_over_committed_runs(tmp_path):

@@ -226,6 +226,22 @@ def test_interference_overlap_and_burst():
     assert bench_interference.burst_length(1e6, 0.1) == bench_interference.MAX_BURST
 
 
+def test_interference_grouped_gemm_is_every_experts_matmul():
+    cpu = torch.device("cpu")
+    gemm = bench_interference.build_gemm(bench_interference.SMALL_GEMMS["grouped_experts"], cpu, 0)
+    assert isinstance(gemm, bench_interference.GroupedGemm)
+    gemm()
+    experts, rows = gemm.w.shape[0], gemm.a.shape[0] // gemm.w.shape[0]
+    want = torch.cat([gemm.a[e * rows:(e + 1) * rows].float() @ gemm.w[e].float().T
+                      for e in range(experts)])  # fmt: skip
+    assert gemm.out.shape == want.shape and want.abs().max() > 1  # random operands, not zeros
+    torch.testing.assert_close(gemm.out.float(), want, rtol=2e-2, atol=0.5)
+    assert isinstance(bench_interference.build_gemm((8, 8, 8), cpu, 0), bench_interference.Gemm)
+    assert bench_interference.gemm_label("grouped_experts", (128, 512, 768, 2048)) == (
+        "grouped_experts (128 x 512, 768, 2048)"
+    )
+
+
 def test_interference_rows_and_files(tmp_path):
     results = _data("interference_raw.json")
     results["config"]["stem"] = str(tmp_path / "2026-12-01_nvidia-h200-x-2_abc1234_interference")
@@ -434,6 +450,7 @@ def test_gpu_interference_small(tmp_path):
     assert rows and all(r["error"] is None for r in rows), rows
     assert all(r["alone_ms"] and r["coll_alone_ms"] for r in rows)
     assert {r["mode"] for r in rows} == {"fsdp2", "symm_mem"}
+    assert {r["gemm"].split(" ")[0] for r in rows} == set(bench_interference.SMALL_GEMMS)
 
 
 @pytest.mark.gpu

@@ -18,7 +18,7 @@ import functools
 import json
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ RESULTS = REPO / "bench" / "results"
 H200_BF16_FLOPS = 989e12  # dense bf16 peak, the FLOPs fallback's denominator
 H200_SMS = 132
 SINGLE_WAVE, LARGE = "single_wave", "large"
+GROUPED = "grouped_experts"  # bench_interference's grouped expert GEMM
 MODES = ("fsdp2", "symm_mem", "tide", "tide_ag")
 
 # The committed measurements the defaults read (bench/results). Keys: the model (the
@@ -308,23 +309,39 @@ def tokens_per_gpu(table: Mapping[str, Any], model_args: Any) -> int:
     return batch * int(training.get("seq_len", 2048))
 
 
-def shape_class_of(model_args: Any, tokens: int) -> tuple[str, str]:
-    """``single_wave`` when one launch of the feed-forward GEMM has output tiles (128 x
-    128) that fit in one wave of the H200's SMs, else ``large``; and the sentence saying
-    why. MoE: tokens x top_k / experts rows per expert; with ``use_grouped_mm`` (TorchTitan's
+def shape_class_of(
+    model_args: Any, tokens: int, measured: Collection[str] = ()
+) -> tuple[str, str]:
+    """The bench_interference GEMM whose measured interference the model's compute takes,
+    and the sentence saying why: ``single_wave`` when one launch of the feed-forward GEMM
+    has output tiles (128 x 128) that fit in one wave of the H200's SMs, else ``large``.
+    MoE: tokens x top_k / experts rows per expert; with ``use_grouped_mm`` (TorchTitan's
     default) one grouped GEMM computes every expert, so its tiles are the experts' sum
-    (measured: Qwen3's grouped GEMM launches 132 CTAs, every SM); with the for-loop, one
-    launch per expert."""
+    (measured: Qwen3's grouped GEMM launches 132 CTAs, every SM), and where ``measured``
+    (the classes the interference result has) holds ``grouped_experts``, that one; with
+    the for-loop, one launch per expert."""
     moe = getattr(model_args, "moe_args", None)
     rows = tokens * moe.top_k / moe.num_experts if moe is not None else tokens
     dim = int(getattr(model_args, "dim", 0))
     tiles = math.ceil(rows / 128) * math.ceil(dim / 128)
     what = f"FFN GEMM {int(rows)} rows x dim {dim}"
-    if moe is not None and getattr(moe, "use_grouped_mm", False):
+    grouped = moe is not None and getattr(moe, "use_grouped_mm", False)
+    if grouped:
         tiles *= moe.num_experts
         what = f"grouped expert GEMM, {moe.num_experts} x ({int(rows)} rows x dim {dim})"
+        if GROUPED in measured:
+            return GROUPED, f"{what}: {GROUPED} measured beside the collectives"
     cls = SINGLE_WAVE if tiles <= H200_SMS else LARGE
-    return cls, f"{what}: {tiles} tiles per launch vs {H200_SMS} SMs -> {cls}"
+    why = f"{what}: {tiles} tiles per launch vs {H200_SMS} SMs -> {cls}"
+    if grouped:
+        why += f" (the grouped GEMM itself has not been timed beside a collective: no {GROUPED} rows)"
+    return cls, why
+
+
+def interference_classes(results_dir: Path) -> set[str]:
+    """The GEMM classes with an error-free row in the committed interference result."""
+    rows = read_result(results_dir, INTERFERENCE_FILE)["tables"][0]["rows"]
+    return {str(r["gemm"]).split(" ")[0] for r in rows if not r.get("error")}
 
 
 def compute_from_trace(
@@ -709,7 +726,7 @@ def build_inputs(
     host, sources["host"] = host_ms(cm.table, trace_config or "", results_dir)
     layer = COLLECTIVE_LAYER.get(model, "llama70b")
     bandwidth, sources["bandwidth"] = collective_bandwidths(results_dir, layer)
-    cls, why = shape_class_of(cm.model_args, tokens)
+    cls, why = shape_class_of(cm.model_args, tokens, interference_classes(results_dir))
     gemm, comm, sources["interference"] = interference(results_dir, cls)
     sources["shape_class"] = why
     acc_gibps, acc_share, sources["accumulate"] = accumulate_rate(results_dir)
