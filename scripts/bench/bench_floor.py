@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -122,8 +122,8 @@ def fill_zero_parameters(model: nn.Module, std: float, seed: int) -> list[str]:
     (in place); returns their names. A zero-initialized output layer (Wan2.2's ``head``)
     makes every gradient above it exactly zero until the optimizer's first step moves it:
     timed on such a model, backward multiplies zeros, draws less power and runs faster
-    than in training (measured 2026-12-03: Wan2.2's backward kernels 12-15% faster,
-    docs/2026-12-02-simulator.md, "2026-12-03, third session")."""
+    than in training (measured 2026-12-03: Wan2.2's backward kernels took x 1.12-1.15 as
+    long in a training step, docs/2026-12-02-simulator.md, "2026-12-03, third session")."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     filled = []
     with torch.no_grad():
@@ -143,14 +143,20 @@ def name_patterns(names: Sequence[str]) -> str:
     return ", ".join(dict.fromkeys(patterns))
 
 
-def build_model(job_config, device: torch.device, seed: int = 0):
-    """(model, train spec, model args, names of the parameters filled) as the Trainer
-    builds them after its first optimizer steps: meta-device model of the spec's flavor,
-    the spec's ``parallelize_fn`` (on one rank: activation checkpointing only),
-    ``to_empty`` + ``init_weights``; every all-zero parameter filled with ``normal(0,
-    optimizer.lr)`` (the size of AdamW's first update; :func:`fill_zero_parameters`);
-    then every parameter cast to ``training.mixed_precision_param`` (what FSDP2's mixed
-    precision computes in)."""
+class BuiltModel(NamedTuple):
+    model: nn.Module
+    spec: Any  # TorchTitan's TrainSpec
+    model_args: Any
+    zero_filled: list[str]  # parameters init_weights left all zero, filled (fill_zero_parameters)
+
+
+def build_model(job_config, device: torch.device, seed: int = 0) -> BuiltModel:
+    """The model as the Trainer builds it: meta-device model of the spec's flavor, the
+    spec's ``parallelize_fn`` (on one rank: activation checkpointing only), ``to_empty``
+    + ``init_weights``. Then, unlike the Trainer, every parameter ``init_weights`` left all
+    zero is filled with seeded ``normal(0, optimizer.lr)`` (about AdamW's first update;
+    :func:`fill_zero_parameters`); every other value is untouched. Last, every parameter
+    cast to ``training.mixed_precision_param`` (what FSDP2's mixed precision computes in)."""
     from torchtitan.config import TORCH_DTYPE_MAP
     from torchtitan.protocols.train_spec import get_train_spec
     from torchtitan.tools import utils
@@ -178,7 +184,7 @@ def build_model(job_config, device: torch.device, seed: int = 0):
     param_dtype = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param]
     for p in model.parameters():
         p.data = p.data.to(param_dtype)
-    return model, spec, model_args, filled
+    return BuiltModel(model, spec, model_args, filled)
 
 
 def local_batch(job_config, spec, model_args, world_size: int, device: torch.device, seed: int):
@@ -265,6 +271,7 @@ def build_work(job_config, world_size: int, device: torch.device, seed: int = 0)
     from torchtitan.components.optimizer import build_optimizers
     from torchtitan.config import TORCH_DTYPE_MAP
 
+    # seed + 2: a stream of its own (local_batch draws from seed, the shards from seed + 1)
     model, spec, model_args, filled = build_model(job_config, device, seed + 2)
     inputs, extra, labels = local_batch(job_config, spec, model_args, world_size, device, seed)
     loss_fn = spec.build_loss_fn(job_config, parallel_dims=one_rank_parallel_dims())

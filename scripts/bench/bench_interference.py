@@ -333,7 +333,9 @@ def _worker(rank: int, world: int, cfg: BenchConfig) -> None:
 
 def table_rows(results: dict) -> list[dict[str, Any]]:
     """One row per (GEMM, op, mode): alone / beside medians and slowdown."""
-    shapes = SMALL_GEMMS if results["config"]["small"] else GEMMS
+    shapes = results["config"].get("gemms_mkn") or (
+        SMALL_GEMMS if results["config"]["small"] else GEMMS
+    )  # the shapes this result was measured with (gemms_mkn: (M, K, N) or (E, M, K, N))
     by_mode = results.get("modes", {})
     modes = [m for m in common.MODE_ORDER if m in by_mode] + sorted(
         m for m in by_mode if m not in common.MODE_ORDER

@@ -112,6 +112,15 @@ def test_floor_wan22_cpu_uses_its_data_and_full_ac():
     assert all(p.grad.any() for p in work.model.parameters())
 
 
+@pytest.mark.parametrize("config", ["h200x2_llama70b_4layers", "h200x2_qwen3_30b_a3b_4layers"])
+def test_language_models_have_no_all_zero_parameter(config):
+    """Their traces before the fill stay valid (checked on the debug flavors' init code)."""
+    job_config = bench_floor.load_job_config(config, ["--model.flavor", "debugmodel"])
+    with bench_floor.one_rank_process_group():
+        built = bench_floor.build_model(job_config, torch.device("cpu"))
+    assert built.zero_filled == [] and sum(p.numel() for p in built.model.parameters()) > 0
+
+
 def test_fill_zero_parameters_fills_only_all_zero_tensors():
     layer = torch.nn.Linear(8, 4)
     torch.nn.init.zeros_(layer.bias)

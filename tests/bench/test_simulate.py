@@ -323,12 +323,27 @@ def test_shape_class_counts_one_grouped_gemm_over_every_expert():
     cls, why = inputs.shape_class_of(moe(True), 8192)
     assert cls == inputs.LARGE and "128 x (512 rows x dim 2048): 8192 tiles" in why
     assert "not been timed beside a collective" in why
-    cls, why = inputs.shape_class_of(moe(True), 8192, measured={"large", inputs.GROUPED})
+    cls, why = inputs.shape_class_of(moe(True), 8192, measured_classes={"large", inputs.GROUPED})
     assert cls == inputs.GROUPED and "measured beside the collectives" in why
     assert inputs.shape_class_of(moe(False), 8192, {inputs.GROUPED})[0] == inputs.SINGLE_WAVE
     assert inputs.shape_class_of(SimpleNamespace(dim=1024), 1024)[0] == inputs.SINGLE_WAVE
-    # the committed result predates the grouped GEMM: the tile rule decides
-    assert inputs.interference_classes(inputs.RESULTS) == {inputs.SINGLE_WAVE, inputs.LARGE}
+
+
+def test_interference_classes_offer_only_complete_classes(tmp_path):
+    def row(gemm, mode, op, slowdown=10.0):
+        return {"gemm": f"{gemm} (1, 2, 3)", "mode": mode, "op": op, "error": None,
+                "slowdown_pct": slowdown, "coll_alone_ms": 1.0, "coll_beside_ms": 1.2}  # fmt: skip
+
+    pairs = [(m, o) for m in ("fsdp2", "symm_mem", "tide") for o in ("ag", "rs")]
+    rows = [row("large", m, o) for m, o in pairs]
+    rows += [row(inputs.GROUPED, m, o) for m, o in pairs[:-1]]  # no tide rs
+    rows += [row(inputs.GROUPED, "tide", "rs", slowdown=None)]  # rendered, never measured
+    data = {"tables": [{"rows": rows}]}
+    (tmp_path / inputs.INTERFERENCE_FILE).write_text(json.dumps(data))
+    assert inputs.interference_classes(tmp_path) == {inputs.LARGE}
+    rows[-1]["slowdown_pct"] = 3.0
+    (tmp_path / inputs.INTERFERENCE_FILE).write_text(json.dumps(data))
+    assert inputs.interference_classes(tmp_path) == {inputs.LARGE, inputs.GROUPED}
 
 
 def test_stock_step_spread_over_committed_runs(tmp_path):

@@ -208,7 +208,7 @@ def interference(results_dir: Path, shape_class: str) -> tuple[dict, dict, str]:
     comm: dict[str, dict[str, float]] = {}
     alone: dict[tuple[str, str], float] = {}
     for row in data["tables"][0]["rows"]:
-        if row.get("error") or not str(row["gemm"]).startswith(shape_class):
+        if row.get("error") or _gemm_class(row) != shape_class:
             continue
         mode, op = row["mode"], row["op"]
         gemm.setdefault(mode, {})[op] = max(0.0, row["slowdown_pct"] / 100)
@@ -310,16 +310,19 @@ def tokens_per_gpu(table: Mapping[str, Any], model_args: Any) -> int:
 
 
 def shape_class_of(
-    model_args: Any, tokens: int, measured: Collection[str] = ()
+    model_args: Any, tokens: int, measured_classes: Collection[str] = ()
 ) -> tuple[str, str]:
     """The bench_interference GEMM whose measured interference the model's compute takes,
-    and the sentence saying why: ``single_wave`` when one launch of the feed-forward GEMM
-    has output tiles (128 x 128) that fit in one wave of the H200's SMs, else ``large``.
-    MoE: tokens x top_k / experts rows per expert; with ``use_grouped_mm`` (TorchTitan's
-    default) one grouped GEMM computes every expert, so its tiles are the experts' sum
-    (measured: Qwen3's grouped GEMM launches 132 CTAs, every SM), and where ``measured``
-    (the classes the interference result has) holds ``grouped_experts``, that one; with
-    the for-loop, one launch per expert."""
+    and the sentence saying why.
+
+    Rule: ``single_wave`` when one launch of the feed-forward GEMM has output tiles (128 x
+    128) that fit in one wave of the H200's SMs, else ``large``. MoE: tokens x top_k /
+    experts rows per expert, one launch per expert (the for-loop); with ``use_grouped_mm``
+    (TorchTitan's default) one grouped GEMM computes every expert, so a launch has the
+    experts' summed tiles (measured: Qwen3's grouped GEMM launches 132 CTAs, every SM).
+    Override: a grouped-mm MoE takes ``grouped_experts`` when ``measured_classes`` (the
+    complete classes of the interference result) holds it; that GEMM was timed at one
+    shape (128 experts x 512 rows), whatever this model's rows per expert."""
     moe = getattr(model_args, "moe_args", None)
     rows = tokens * moe.top_k / moe.num_experts if moe is not None else tokens
     dim = int(getattr(model_args, "dim", 0))
@@ -329,7 +332,7 @@ def shape_class_of(
     if grouped:
         tiles *= moe.num_experts
         what = f"grouped expert GEMM, {moe.num_experts} x ({int(rows)} rows x dim {dim})"
-        if GROUPED in measured:
+        if GROUPED in measured_classes:
             return GROUPED, f"{what}: {GROUPED} measured beside the collectives"
     cls = SINGLE_WAVE if tiles <= H200_SMS else LARGE
     why = f"{what}: {tiles} tiles per launch vs {H200_SMS} SMs -> {cls}"
@@ -338,10 +341,24 @@ def shape_class_of(
     return cls, why
 
 
+def _gemm_class(row: Mapping[str, Any]) -> str:
+    """A bench_interference row's GEMM class: ``large`` of ``large (8192, 8192, 8192)``."""
+    return str(row["gemm"]).split(" ")[0]
+
+
 def interference_classes(results_dir: Path) -> set[str]:
-    """The GEMM classes with an error-free row in the committed interference result."""
+    """The GEMM classes of the committed interference result whose every (mode, op) row
+    the simulator reads has a measured slowdown both ways (a class missing any is not
+    offered: :func:`interference` would lack a figure)."""
     rows = read_result(results_dir, INTERFERENCE_FILE)["tables"][0]["rows"]
-    return {str(r["gemm"]).split(" ")[0] for r in rows if not r.get("error")}
+    needed = {(mode, op) for mode in ("fsdp2", "symm_mem", "tide") for op in ("ag", "rs")}
+    complete = set()
+    for cls in {_gemm_class(r) for r in rows}:
+        have = {(r["mode"], r["op"]) for r in rows if _gemm_class(r) == cls and not r.get("error")
+                and r.get("slowdown_pct") is not None and r.get("coll_beside_ms")}  # fmt: skip
+        if needed <= have:
+            complete.add(cls)
+    return complete
 
 
 def compute_from_trace(
@@ -555,8 +572,10 @@ def in_step_compute(results_dir: Path, config: str) -> tuple[float | None, bool,
             ),
         )
     ranks = _step_kernels(path)
-    if trace_path is None or not ranks:
-        return None, False, f"{path.name}: no top kernels, or no profiled trace of {config}"
+    if not ranks:
+        return None, False, f"{path.name}: no top kernels (bench_step before they were kept)"
+    if trace_path is None:
+        return None, False, f"no profiled trace of {config} (bench_trace --kernels 25)"
     matched = matched_kernel_level(ranks[0], json.loads(trace_path.read_text()))
     if matched is None:
         return None, False, f"{path.name} vs {trace_path.name}: no kernel launched as often in both"
@@ -605,14 +624,15 @@ def measured_step(results_dir: Path, config: str, mode: str) -> tuple[float | No
 
 
 def stock_step_spread(results_dir: Path, config: str) -> tuple[float, float, int] | None:
-    """(lowest, highest, count) of the best step ms of stock FSDP2 (the ``fsdp2`` row)
-    over every committed 2-GPU ``bench_step`` result of ``config``: the measurement's own
-    run-to-run spread (stock FSDP2's path does not change between our commits); None when
+    """(lowest, highest, count) of stock FSDP2's step ms (the ``fsdp2`` row's best round:
+    the median of its timed steps) over every committed ``bench_step`` result of
+    ``config`` run at 2 ranks: the measurement's own run-to-run spread (stock FSDP2's path
+    does not change between our commits; the runs differ in timed steps, 6-15). None when
     fewer than two runs exist."""
     found = []
     for path in results_dir.glob(f"*_step_{config}.json"):
         data = json.loads(path.read_text())
-        if data.get("metadata", {}).get("world_size") not in (None, 2):
+        if data.get("metadata", {}).get("world_size") != 2:
             continue
         row = next((r for r in data.get("rows", []) if r.get("mode") == "fsdp2"), {})
         if isinstance(row.get("best_step_ms"), (int, float)):

@@ -59,7 +59,7 @@ UNEXPLAINED = {
         "not explained by a measured input: the largest uncertain term is compute slowed "
         "beside NCCL's collectives (bench_interference's synthetic GEMM of the shape class; "
         "the grouped expert GEMM itself is not timed beside a collective); the measured stock "
-        "step itself varies between runs (column 'stock fsdp2 measured range')"
+        "step itself varies between runs (column 'stock fsdp2 measured range ms')"
     ),
 }
 
@@ -107,7 +107,8 @@ def validation_rows(results_dir: Path, cluster: Cluster) -> list[dict[str, Any]]
         for r in sim["rows"]:
             measured, source = measured_step(results_dir, config, r["mode"])
             row = _residual(config, r["mode"], 2, r, measured, source, sim["sources"])
-            row["stock_range"] = _spread_text(results_dir, config) if r["mode"] == "fsdp2" else ""
+            if r["mode"] == "fsdp2":
+                row["stock_range"] = _spread_text(results_dir, config)
             rows.append({**row, **_level_columns(sim["inputs"], at_level.get(r["mode"]), measured)})
         w1, w1_source = world1_step(results_dir, config)
         if not w1:
