@@ -473,6 +473,17 @@ def test_stream_picture_marks_the_exposed_first_all_gather(tmp_path):
     assert total == pytest.approx(result["rows"][0]["sim_exposed_ms"])
 
 
+def test_simulator_and_comm_package_import_without_torch():
+    """comm/__init__ loads torch and the installers on first use, not on import."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torchtitan_tide.comm, torchtitan_tide.simulator.report; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.endswith('.install')))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 def test_package_modules_import_only_earlier_ones():
     """No import circle: each module of torchtitan_tide/simulator imports only modules
     before it in cluster, engine, inputs, step, report, cli."""

@@ -160,3 +160,32 @@ def test_window_partials_are_never_reallocated():
     assert view.data_ptr() == buffers.partials[slot].data_ptr()
     with pytest.raises(RuntimeError, match="cross_node_transport = 'p2p'"):
         buffers.take_partial(9, torch.device("cpu"))
+
+
+def test_library_path_picks_the_nccl_torch_calls(monkeypatch, caplog):
+    """Several mapped libnccl copies: the one holding the global ncclGetVersion, else a
+    named error (nccl_version: None and a warning), never the first by address."""
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", lambda: 1, raising=False)
+    wheel, torch_own = "/wheel/libnccl.so.2", "/torch/lib/libnccl.so.2"
+    ranges = [(0x1000, 0x2000, wheel), (0x5000, 0x6000, torch_own), (0x6000, 0x7000, torch_own)]
+    monkeypatch.setattr(nccl_rma, "_mapped_nccl_ranges", lambda: ranges)
+    monkeypatch.setattr(nccl_rma, "_global_nccl_symbol", lambda: 0x6100)
+    assert nccl_rma.library_path() == torch_own
+    monkeypatch.setattr(nccl_rma, "_mapped_nccl_ranges", lambda: ranges[1:])
+    monkeypatch.setattr(nccl_rma, "_global_nccl_symbol", lambda: None)
+    assert nccl_rma.library_path() == torch_own  # one library: no question
+    monkeypatch.setattr(nccl_rma, "_mapped_nccl_ranges", lambda: ranges)
+    with pytest.raises(nccl_rma.NcclLibraryAmbiguous, match="2 NCCL libraries are mapped"):
+        nccl_rma.library_path()
+    monkeypatch.setattr(nccl_rma, "_lib", None)
+    with caplog.at_level(logging.WARNING, logger=nccl_rma.__name__):
+        assert nccl_rma.nccl_version() is None
+    assert "NCCL version unknown" in caplog.text and wheel in caplog.text
+    monkeypatch.setattr(nccl_rma, "_mapped_nccl_ranges", list)
+    assert nccl_rma.library_path() is None
+
+
+def test_mapped_nccl_ranges_reads_this_process():
+    """On this machine: every range parsed, each a libnccl file that exists (none on CPU torch)."""
+    for start, end, path in nccl_rma._mapped_nccl_ranges():
+        assert start < end and "/libnccl.so" in path

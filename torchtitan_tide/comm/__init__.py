@@ -13,13 +13,19 @@ options in :class:`~.symm_mem.SymmMemOptions`, registered below with
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from torch import nn
-
-from . import install, symm_mem
 from .options import TideOptions
+
+if TYPE_CHECKING:
+    from torch import nn
+
+# torch, FSDP2 and the installers load on the first apply/remove, not on import: the
+# pure-Python parts of this package (options, plan, memory_plan) serve the simulator and
+# the memory report without torch.
 
 __all__ = [
     "TideOptions",
@@ -33,7 +39,17 @@ logger = logging.getLogger(__name__)
 
 _MODE_ATTR = "_tide_comm_mode"
 ApplyFn = Callable[..., None]  # (model, **options) -> None
-RemoveFn = Callable[[nn.Module], None]
+RemoveFn = Callable[["nn.Module"], None]
+
+
+def _lazy(module: str, name: str) -> Callable[..., None]:
+    """``<package>.<module>.<name>``, imported when first called."""
+
+    def call(*args: object, **kwargs: object) -> None:
+        return getattr(importlib.import_module(f"{__name__}.{module}"), name)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = f"{module}.{name}"
+    return call
 
 
 def _apply_fsdp2(model: nn.Module, **options: object) -> None:
@@ -47,13 +63,15 @@ def _remove_fsdp2(model: nn.Module) -> None:
 
 
 def _apply_tide(model: nn.Module, **options: object) -> None:
+    from . import install
+
     install.install(model, TideOptions.from_kwargs(**options))
 
 
 # mode -> (apply_fn, remove_fn); other modules add modes with register_mode.
 _MODES: dict[str, tuple[ApplyFn, RemoveFn]] = {
     "fsdp2": (_apply_fsdp2, _remove_fsdp2),
-    "tide": (_apply_tide, install.uninstall),
+    "tide": (_apply_tide, _lazy("install", "uninstall")),
 }
 def register_mode(name: str, apply_fn: ApplyFn, remove_fn: RemoveFn) -> None:
     """Register (or replace) a comm mode. ``apply_fn(model, **options)`` must
@@ -61,7 +79,7 @@ def register_mode(name: str, apply_fn: ApplyFn, remove_fn: RemoveFn) -> None:
     _MODES[name] = (apply_fn, remove_fn)
 
 
-register_mode("symm_mem", symm_mem.apply, symm_mem.remove)
+register_mode("symm_mem", _lazy("symm_mem", "apply"), _lazy("symm_mem", "remove"))
 
 
 def available_modes() -> tuple[str, ...]:

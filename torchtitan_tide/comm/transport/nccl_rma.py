@@ -27,10 +27,13 @@ Contract:
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "MIN_VERSION",
@@ -60,6 +63,10 @@ WINDOW_ALIGNMENT = 4096  # NCCL_WIN_REQUIRED_ALIGNMENT
 
 class NcclError(RuntimeError):
     """An NCCL call of the one-sided transport failed."""
+
+
+class NcclLibraryAmbiguous(NcclError):
+    """Several NCCL libraries are mapped and which one torch calls cannot be told."""
 
 
 class _UniqueId(ctypes.Structure):
@@ -129,22 +136,54 @@ _lib: ctypes.CDLL | None = None
 _lib_path: str | None = None
 
 
+def _mapped_nccl_ranges() -> list[tuple[int, int, str]]:
+    """(start, end, path) of every mapping of a ``libnccl.so*`` file in this process."""
+    ranges = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split()
+                if len(fields) >= 6 and "/libnccl.so" in fields[-1] and os.path.exists(fields[-1]):
+                    start, end = (int(a, 16) for a in fields[0].split("-"))
+                    ranges.append((start, end, fields[-1]))
+    except OSError:
+        return []
+    return ranges
+
+
+def _global_nccl_symbol() -> int | None:
+    """Address of ``ncclGetVersion`` as the dynamic linker's global scope resolves it
+    (LD_PRELOAD first, then libraries loaded RTLD_GLOBAL, as torch loads its NCCL), or
+    None when no library in that scope defines it."""
+    try:
+        return ctypes.cast(ctypes.CDLL(None).ncclGetVersion, ctypes.c_void_p).value
+    except AttributeError:
+        return None
+
+
 def library_path() -> str | None:
-    """Path of the NCCL library mapped into this process (torch's), or None. Loads
-    torch's CUDA library first so its NCCL is mapped."""
+    """Path of the NCCL library torch's NCCL calls go to, or None when none is mapped
+    (CPU torch, or NCCL linked statically). Loads torch's CUDA library first so its NCCL
+    is mapped. With more than one libnccl mapped (a second copy from another wheel), the
+    one that holds the global ``ncclGetVersion``; raises :class:`NcclError` naming them
+    when none does (which one torch binds to is then unknown)."""
     try:
         torch._C._cuda_getDeviceCount()  # maps libtorch_cuda and with it libnccl
     except Exception:  # noqa: BLE001 - CPU-only torch: no NCCL
         return None
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.split()[-1] if line.strip() else ""
-                if "/libnccl.so" in path and os.path.exists(path):
-                    return path
-    except OSError:
-        return None
-    return None
+    ranges = _mapped_nccl_ranges()
+    paths = list(dict.fromkeys(path for _, _, path in ranges))
+    if len(paths) <= 1:
+        return paths[0] if paths else None
+    address = _global_nccl_symbol()
+    for start, end, path in ranges:
+        if address is not None and start <= address < end:
+            return path
+    raise NcclLibraryAmbiguous(
+        f"{len(paths)} NCCL libraries are mapped ({', '.join(paths)}) and none of them "
+        "holds the process's global ncclGetVersion: which one torch calls is unknown. "
+        "Keep one, or put the one to use first with LD_PRELOAD"
+    )
 
 
 def _library() -> ctypes.CDLL:
@@ -164,6 +203,9 @@ def nccl_version() -> int | None:
     (torch's own report can name the version it was built with instead), or None."""
     try:
         lib = _library()
+    except NcclLibraryAmbiguous as exc:
+        logger.warning("NCCL version unknown: %s", exc)
+        return None
     except NcclError:
         return None
     code = ctypes.c_int(0)
