@@ -163,14 +163,18 @@ def test_window_partials_are_never_reallocated():
 
 
 def test_library_path_picks_the_nccl_torch_calls(monkeypatch, caplog):
-    """Several mapped libnccl copies: the one holding the global ncclGetVersion, else a
-    named error (nccl_version: None and a warning), never the first by address."""
+    """Several mapped libnccl copies: the one holding ncclGetVersion as libtorch_cuda sees
+    it, else as the global scope does, else a named error (nccl_version: None and a
+    warning); never the first by address."""
     monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", lambda: 1, raising=False)
     wheel, torch_own = "/wheel/libnccl.so.2", "/torch/lib/libnccl.so.2"
     ranges = [(0x1000, 0x2000, wheel), (0x5000, 0x6000, torch_own), (0x6000, 0x7000, torch_own)]
     monkeypatch.setattr(nccl_rma, "_mapped_nccl_ranges", lambda: ranges)
-    monkeypatch.setattr(nccl_rma, "_global_nccl_symbol", lambda: 0x6100)
+    monkeypatch.setattr(nccl_rma, "_torch_nccl_symbol", lambda: 0x6100)  # libtorch_cuda's
+    monkeypatch.setattr(nccl_rma, "_global_nccl_symbol", lambda: 0x1100)
     assert nccl_rma.library_path() == torch_own
+    monkeypatch.setattr(nccl_rma, "_torch_nccl_symbol", lambda: None)  # then the global one
+    assert nccl_rma.library_path() == wheel
     monkeypatch.setattr(nccl_rma, "_mapped_nccl_ranges", lambda: ranges[1:])
     monkeypatch.setattr(nccl_rma, "_global_nccl_symbol", lambda: None)
     assert nccl_rma.library_path() == torch_own  # one library: no question

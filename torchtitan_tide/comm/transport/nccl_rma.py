@@ -151,22 +151,46 @@ def _mapped_nccl_ranges() -> list[tuple[int, int, str]]:
     return ranges
 
 
-def _global_nccl_symbol() -> int | None:
-    """Address of ``ncclGetVersion`` as the dynamic linker's global scope resolves it
-    (LD_PRELOAD first, then libraries loaded RTLD_GLOBAL, as torch loads its NCCL), or
-    None when no library in that scope defines it."""
+def _symbol_address(handle: ctypes.CDLL) -> int | None:
     try:
-        return ctypes.cast(ctypes.CDLL(None).ncclGetVersion, ctypes.c_void_p).value
+        return ctypes.cast(handle.ncclGetVersion, ctypes.c_void_p).value
     except AttributeError:
         return None
+
+
+def _torch_nccl_symbol() -> int | None:
+    """Address of ``ncclGetVersion`` as looked up from ``libtorch_cuda.so`` (the library
+    and its dependencies: the NCCL its ``libnccl.so.2`` dependency was bound to), or None
+    when libtorch_cuda is not mapped or sees no NCCL."""
+    try:
+        with open("/proc/self/maps") as maps:
+            words = maps.read().split()
+    except OSError:
+        return None
+    path = next((w for w in words if w.endswith("/libtorch_cuda.so")), None)
+    if path is None:
+        return None
+    try:
+        handle = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:
+        return None
+    return _symbol_address(handle)
+
+
+def _global_nccl_symbol() -> int | None:
+    """Address of ``ncclGetVersion`` in the dynamic linker's global scope (LD_PRELOAD
+    first, then libraries loaded RTLD_GLOBAL), or None when none there defines it."""
+    return _symbol_address(ctypes.CDLL(None))
 
 
 def library_path() -> str | None:
     """Path of the NCCL library torch's NCCL calls go to, or None when none is mapped
     (CPU torch, or NCCL linked statically). Loads torch's CUDA library first so its NCCL
-    is mapped. With more than one libnccl mapped (a second copy from another wheel), the
-    one that holds the global ``ncclGetVersion``; raises :class:`NcclError` naming them
-    when none does (which one torch binds to is then unknown)."""
+    is mapped. With more than one libnccl mapped (a second copy from another wheel, or an
+    LD_PRELOAD), the one holding ``ncclGetVersion`` as libtorch_cuda sees it, else as the
+    global scope does (measured on the H200, 2026-12-03: with an LD_PRELOAD of another
+    build both rules name the preloaded file, and a torch communicator reports its
+    version); raises :class:`NcclLibraryAmbiguous` naming them when neither does."""
     try:
         torch._C._cuda_getDeviceCount()  # maps libtorch_cuda and with it libnccl
     except Exception:  # noqa: BLE001 - CPU-only torch: no NCCL
@@ -175,14 +199,14 @@ def library_path() -> str | None:
     paths = list(dict.fromkeys(path for _, _, path in ranges))
     if len(paths) <= 1:
         return paths[0] if paths else None
-    address = _global_nccl_symbol()
-    for start, end, path in ranges:
-        if address is not None and start <= address < end:
-            return path
+    for address in (_torch_nccl_symbol(), _global_nccl_symbol()):
+        for start, end, path in ranges:
+            if address is not None and start <= address < end:
+                return path
     raise NcclLibraryAmbiguous(
-        f"{len(paths)} NCCL libraries are mapped ({', '.join(paths)}) and none of them "
-        "holds the process's global ncclGetVersion: which one torch calls is unknown. "
-        "Keep one, or put the one to use first with LD_PRELOAD"
+        f"{len(paths)} NCCL libraries are mapped ({', '.join(paths)}) and neither "
+        "libtorch_cuda nor the global scope resolves ncclGetVersion to one of them: which "
+        "one torch calls is unknown. Keep one, or put the one to use first with LD_PRELOAD"
     )
 
 
