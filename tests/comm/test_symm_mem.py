@@ -95,9 +95,15 @@ def comm_types(model: nn.Module) -> list[tuple[str, str, str, bool]]:
 # ---------------------------------------------------------------- CPU: registry and errors
 
 
-def test_registered_as_a_mode():
+def test_registered_as_a_mode(monkeypatch):
     assert "symm_mem" in comm.available_modes()
-    assert comm._MODES["symm_mem"] == (symm_mem.apply, symm_mem.remove)
+    calls = []  # the registry imports comm.symm_mem on first use and calls its functions
+    monkeypatch.setattr(symm_mem, "apply", lambda model, **kw: calls.append(("apply", model, kw)))
+    monkeypatch.setattr(symm_mem, "remove", lambda model: calls.append(("remove", model)))
+    apply_fn, remove_fn = comm._MODES["symm_mem"]
+    apply_fn("model", cta_policy=2)
+    remove_fn("model")
+    assert calls == [("apply", "model", {"cta_policy": 2}), ("remove", "model")]
     assert command.SYMM_MEM_ENV == symm_mem.ZERO_CTA_ENV == {"NCCL_CTA_POLICY": "2"}
 
 
