@@ -138,8 +138,8 @@ def fill_zero_parameters(model: nn.Module, std: float, seed: int) -> list[str]:
 def name_patterns(names: Sequence[str]) -> str:
     """``names`` with layer numbers as ``*`` and activation-checkpoint wrappers dropped,
     each pattern once, in order: ``layers.*.ffn.0.bias, head.head.weight``."""
-    patterns = (re.sub(r"\blayers\.\d+\.", "layers.*.", n.replace("_checkpoint_wrapped_module.", ""))
-                for n in names)  # fmt: skip
+    unwrapped = (n.replace("_checkpoint_wrapped_module.", "") for n in names)
+    patterns = (re.sub(r"\blayers\.\d+\.", "layers.*.", n) for n in unwrapped)
     return ", ".join(dict.fromkeys(patterns))
 
 

@@ -210,7 +210,14 @@ def gemm_alone(gemm: Callable[[], None], device: torch.device, n: int, reps: int
 
 
 def beside_collective(
-    op: str, model, group, gemm: Callable[[], None] | None, n: int, device: torch.device, rank: int, step: int
+    op: str,
+    model,
+    group,
+    gemm: Callable[[], None] | None,
+    n: int,
+    device: torch.device,
+    rank: int,
+    step: int,
 ) -> tuple[float, list[float]]:
     """One collective ``op`` with ``n`` GEMMs queued beside it: (collective ms,
     durations of the GEMMs that ended before it). Leaves the model resharded."""
@@ -245,7 +252,12 @@ def beside_collective(
 
 
 def measure_mode(
-    mode: str, gemms: dict[str, Callable[[], None]], alone: dict[str, float], device, reps: int, small: bool
+    mode: str,
+    gemms: dict[str, Callable[[], None]],
+    alone: dict[str, float],
+    device,
+    reps: int,
+    small: bool,
 ) -> dict[str, Any]:
     """Every (op, GEMM) beside ``mode``'s collectives on a fresh model, plus the
     collectives alone. Raises on failure (the caller records it)."""
@@ -300,7 +312,9 @@ def measure_mode(
 def _worker(rank: int, world: int, cfg: BenchConfig) -> None:
     device = torch.device("cuda", rank)
     shapes = SMALL_GEMMS if cfg.small else GEMMS
-    gemms = {name: build_gemm(shape, device, seed=i) for i, (name, shape) in enumerate(shapes.items())}
+    gemms = {
+        name: build_gemm(shape, device, seed=i) for i, (name, shape) in enumerate(shapes.items())
+    }
     results = json.loads(Path(cfg.stem + ".json").read_text()) if rank == 0 else {}
     for rnd in range(1, ROUNDS + 1):
         alone = {}

@@ -337,7 +337,8 @@ def shape_class_of(
     cls = SINGLE_WAVE if tiles <= H200_SMS else LARGE
     why = f"{what}: {tiles} tiles per launch vs {H200_SMS} SMs -> {cls}"
     if grouped:
-        why += f" (the grouped GEMM itself has not been timed beside a collective: no {GROUPED} rows)"
+        why += (f" (the grouped GEMM itself has not been timed beside a collective: no {GROUPED} "
+                "rows)")  # fmt: skip
     return cls, why
 
 
