@@ -261,7 +261,9 @@ def test_node_loss_requeues_and_resumes(cluster, reference, tmp_path):
     # The first attempt's cause, then the second attempt's resume, in the one output file.
     assert "Connection reset by peer" in output or "TIDE watchdog: rank 0" in output
     assert "srun: error: Node failure on n2" in output, output[-8000:]
-    assert "DUE TO NODE FAILURE" in output, output[-8000:]
+    # slurmstepd's "*** JOB ... CANCELLED ... DUE TO NODE FAILURE ***" reaches the file only
+    # when the batch step still runs as n2 goes DOWN: a race (absent in 1 of 5 CI runs,
+    # 2026-12-03), so not asserted; the srun line above names the failure every time.
     assert "[train.sbatch] requeued 1 time(s)" in output, output[-8000:]
     assert f"Loading the checkpoint from {job.folder}/checkpoint/step-{good}." in output
     lines = (job.folder / "metrics.jsonl").read_text().splitlines()
