@@ -18,7 +18,7 @@ import functools
 import json
 import math
 import statistics
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -434,16 +434,22 @@ def cross_node_transports(results_dir: Path) -> str:
     return f"{CROSS_NODE_FILE} (bench_cross_node, 2 emulated nodes on one H200): {text}"
 
 
-def _newest_profiled_step(results_dir: Path, name: str, world: int | None) -> Path | None:
-    """The newest committed ``*_<name>.json`` (bench_step) whose fsdp2 row has a profiled
-    step breakdown (``bd_*`` columns), run at ``world`` ranks (None: any)."""
-    found = []
+def _step_results(results_dir: Path, name: str) -> Iterator[tuple[Path, dict, dict]]:
+    """(path, metadata, fsdp2 row or {}) of every committed ``*_<name>.json`` (bench_step)."""
     for path in results_dir.glob(f"*_{name}.json"):
         data = json.loads(path.read_text())
         row = next((r for r in data.get("rows", []) if r.get("mode") == "fsdp2"), {})
-        meta = data.get("metadata", {})
-        if row.get("bd_step_ms") and world in (None, meta.get("world_size")):
-            found.append((meta.get("date", ""), path.name, path))
+        yield path, data.get("metadata", {}), row
+
+
+def _newest_profiled_step(results_dir: Path, name: str, world: int | None) -> Path | None:
+    """The newest committed ``*_<name>.json`` (bench_step) whose fsdp2 row has a profiled
+    step breakdown (``bd_*`` columns), run at ``world`` ranks (None: any)."""
+    found = [
+        (meta.get("date", ""), path.name, path)
+        for path, meta, row in _step_results(results_dir, name)
+        if row.get("bd_step_ms") and world in (None, meta.get("world_size"))
+    ]
     return max(found)[2] if found else None
 
 
@@ -630,14 +636,11 @@ def stock_step_spread(results_dir: Path, config: str) -> tuple[float, float, int
     ``config`` run at 2 ranks: the measurement's own run-to-run spread (stock FSDP2's path
     does not change between our commits; the runs differ in timed steps, 6-15). None when
     fewer than two runs exist."""
-    found = []
-    for path in results_dir.glob(f"*_step_{config}.json"):
-        data = json.loads(path.read_text())
-        if data.get("metadata", {}).get("world_size") != 2:
-            continue
-        row = next((r for r in data.get("rows", []) if r.get("mode") == "fsdp2"), {})
-        if isinstance(row.get("best_step_ms"), (int, float)):
-            found.append(row["best_step_ms"])
+    found = [
+        row["best_step_ms"]
+        for _, meta, row in _step_results(results_dir, f"step_{config}")
+        if meta.get("world_size") == 2 and isinstance(row.get("best_step_ms"), (int, float))
+    ]
     return (min(found), max(found), len(found)) if len(found) > 1 else None
 
 
