@@ -405,6 +405,13 @@ class RmaComm:
             ctypes.c_void_p(stream.cuda_stream),
         ), f"ncclPutSignal({nbytes} B to rank {peer})", self.comm)  # fmt: skip
 
+    def signal(self, peer: int, stream: torch.cuda.Stream) -> None:
+        """Enqueue on ``stream`` one signal to ``peer`` with no data (``ncclSignal``); it is
+        counted with the puts' signals of this communicator from this rank."""
+        _check(_library().ncclSignal(peer, 0, 0, 0, self.comm,
+                                     ctypes.c_void_p(stream.cuda_stream)),
+               f"ncclSignal(to rank {peer})", self.comm)  # fmt: skip
+
     def wait_signal(self, peer: int, count: int, stream: torch.cuda.Stream) -> None:
         """Enqueue on ``stream`` a wait for ``count`` more signals from ``peer``."""
         desc = _WaitDesc(opCnt=count, peer=peer, sigIdx=0, ctx=0)

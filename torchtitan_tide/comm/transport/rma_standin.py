@@ -1,0 +1,252 @@
+"""A CPU stand-in of NCCL's one-sided host calls (``nccl_rma.RmaComm``) for several processes.
+
+Where no GPU exists (CI, the CPU preflight) TIDE's window transports run their real code
+against this class: the same methods as :class:`~.nccl_rma.RmaComm` (``register``,
+``put_signal``, ``signal``, ``wait_signal``, ``destroy``, ``abort``), the same rules NCCL
+enforces (a put reads a registered window of its own rank, fits the peer's window; signal
+index and context 0), and the semantics the one-sided protocol relies on, as NCCL documents
+and implements them for its copy-engine path (docs/2026-12-04-windows.md):
+
+- a put's data is visible to the peer before the signal that follows it;
+- signals from one peer are counted, cumulatively: ``wait_signal(peer, count)`` returns once
+  ``count`` more signals than all earlier waits on ``peer`` asked for have arrived;
+- a put has read its source when the call returns (NCCL: once the put completed on its stream).
+
+Memory: every window and the signal counters are files under the communicator's folder
+(``/dev/shm`` by default), mapped by every rank of the communicator, so the processes need not
+be forked from one parent. Signal cell ``[receiver][sender]`` has one writer (the sender).
+On CPU every call runs on the host when it is made; ``stream`` arguments are accepted and
+ignored. A wait spins with a deadline (:class:`StandinTimeout` names the peer).
+
+:class:`Faults` breaks one of the semantics on purpose (a signal that overtakes its data, a
+source read after the put returned), so checks of those assumptions can be shown to fail.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import secrets
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .nccl_rma import RmaWindow
+
+__all__ = ["Faults", "StandinError", "StandinRma", "StandinTimeout", "new_unique_id"]
+
+_UNIQUE_ID_BYTES = 128  # as ncclUniqueId: the folder's path, NUL-padded
+_POLL_S = 0.0002
+_MAP_TIMEOUT_S = 60.0
+
+
+class StandinError(RuntimeError):
+    """A call the real NCCL would refuse (the message says which rule)."""
+
+
+class StandinTimeout(StandinError):
+    """A wait for a peer's signals passed its deadline."""
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Deliberate violations of what the protocol relies on (checks must catch them).
+
+    ``signal_before_data``: each put raises the peer's signal, sleeps ``delay_s``, then writes
+    the data. ``late_source_read``: each put returns at once and reads its source ``delay_s``
+    later (from a thread), so a source rewritten right after the put is what the peer gets."""
+
+    signal_before_data: bool = False
+    late_source_read: bool = False
+    delay_s: float = 0.05
+
+
+def new_unique_id(root: str | None = None) -> bytes:
+    """A fresh communicator id: a new folder under ``root`` (default ``/dev/shm``, else the
+    temporary folder), as 128 bytes, handed to every rank like an ``ncclUniqueId``."""
+    base = root or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+    if base is None:
+        import tempfile
+
+        base = tempfile.gettempdir()
+    folder = os.path.join(base, f"tide-rma-{secrets.token_hex(8)}")
+    os.makedirs(folder)
+    raw = folder.encode()
+    if len(raw) >= _UNIQUE_ID_BYTES:
+        raise StandinError(f"stand-in folder path too long: {folder}")
+    return raw.ljust(_UNIQUE_ID_BYTES, b"\0")
+
+
+def _map(path: str, nbytes: int, create: bool) -> torch.Tensor:
+    if create:
+        with open(path, "wb") as f:
+            f.truncate(nbytes)
+    else:
+        deadline = time.monotonic() + _MAP_TIMEOUT_S
+        while not os.path.exists(path) or os.path.getsize(path) < nbytes:
+            if time.monotonic() > deadline:
+                raise StandinTimeout(f"stand-in file {path} did not appear (a peer did not register)")
+            time.sleep(0.001)
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
+class StandinRma:
+    """One rank of a stand-in communicator of ``size`` ranks (see the module docstring)."""
+
+    def __init__(
+        self, folder: str, rank: int, size: int, faults: Faults | None = None,
+        timeout_s: float = 120.0,
+    ) -> None:  # fmt: skip
+        self.folder, self.rank, self.size = folder, rank, size
+        self.device = torch.device("cpu")
+        self.faults = faults or Faults()
+        self.timeout_s = timeout_s
+        self.windows: list[RmaWindow] = []
+        self._peer_windows: dict[tuple[int, int], torch.Tensor] = {}
+        self._expected = [0] * size  # cumulative signals waited for, per peer
+        self._sent = [0] * size  # cumulative signals sent, per peer
+        self._signals = _map(self._signal_path(rank), 8 * size, create=True).view(torch.int64)
+        self._peer_signals: dict[int, torch.Tensor] = {}
+        self._threads: list[threading.Thread] = []
+        self.closed = False
+
+    @classmethod
+    def create(
+        cls, unique_id: bytes, rank: int, size: int, device: torch.device | None = None,
+        faults: Faults | None = None,
+    ) -> StandinRma:  # fmt: skip
+        """As ``RmaComm.create``: every rank of the communicator passes the same id."""
+        del device  # CPU only
+        folder = unique_id.rstrip(b"\0").decode()
+        if not os.path.isdir(folder):
+            raise StandinError(f"stand-in communicator folder {folder} does not exist")
+        return cls(folder, rank, size, faults)
+
+    def _signal_path(self, rank: int) -> str:
+        return os.path.join(self.folder, f"signals.{rank}")
+
+    def host_rma_supported(self) -> bool:
+        return True
+
+    def register(self, nbytes: int) -> RmaWindow:
+        """This rank's next window (collective by convention: every rank registers its
+        windows in the same order and size, as NCCL requires)."""
+        index = len(self.windows)
+        path = os.path.join(self.folder, f"window{index}.{self.rank}")
+        tensor = _map(path, nbytes, create=True)
+        window = RmaWindow(tensor.data_ptr(), nbytes, ctypes.c_void_p(index), tensor)
+        self.windows.append(window)
+        return window
+
+    def _peer_window(self, window: RmaWindow, peer: int) -> torch.Tensor:
+        index = self.windows.index(window)
+        key = (index, peer)
+        if key not in self._peer_windows:
+            path = os.path.join(self.folder, f"window{index}.{peer}")
+            self._peer_windows[key] = _map(path, window.nbytes, create=False)
+        return self._peer_windows[key]
+
+    def _peer_signal_cells(self, peer: int) -> torch.Tensor:
+        if peer not in self._peer_signals:
+            cells = _map(self._signal_path(peer), 8 * self.size, create=False)
+            self._peer_signals[peer] = cells.view(torch.int64)
+        return self._peer_signals[peer]
+
+    def _check_peer(self, peer: int) -> None:
+        if not 0 <= peer < self.size or peer == self.rank:
+            raise StandinError(f"peer {peer} is not another rank of this {self.size}-rank comm")
+
+    def _own_window_of(self, src: torch.Tensor) -> RmaWindow:
+        start, nbytes = src.data_ptr(), src.numel() * src.element_size()
+        for window in self.windows:
+            if window.ptr <= start and start + nbytes <= window.ptr + window.nbytes:
+                return window
+        raise StandinError(
+            "ncclPutSignal: srcWinHost is not in a valid symmetric window (a put must read "
+            "a registered window of its own rank)"
+        )
+
+    def _raise_signal(self, peer: int) -> None:
+        self._sent[peer] += 1
+        self._peer_signal_cells(peer)[self.rank] = self._sent[peer]
+
+    def put_signal(
+        self, src: torch.Tensor, peer: int, window: RmaWindow, dst_offset: int,
+        stream: object = None,
+    ) -> None:  # fmt: skip
+        """Write ``src``'s bytes into ``peer``'s copy of ``window`` at ``dst_offset``, then one
+        signal to ``peer``."""
+        del stream
+        self._check_peer(peer)
+        if not src.is_contiguous():
+            raise StandinError("a put reads a contiguous source")
+        self._own_window_of(src)
+        nbytes = src.numel() * src.element_size()
+        if dst_offset < 0 or dst_offset + nbytes > window.nbytes:
+            raise StandinError(f"put of {nbytes} B at {dst_offset} overflows a {window.nbytes} B window")
+        dst = self._peer_window(window, peer).narrow(0, dst_offset, nbytes)
+        data = src.reshape(-1).view(torch.uint8)
+        if self.faults.late_source_read:
+            thread = threading.Thread(target=self._late_put, args=(dst, data, peer), daemon=True)
+            self._threads.append(thread)
+            thread.start()
+            return
+        if self.faults.signal_before_data:
+            self._raise_signal(peer)
+            time.sleep(self.faults.delay_s)
+            dst.copy_(data)
+            return
+        dst.copy_(data)
+        self._raise_signal(peer)
+
+    def _late_put(self, dst: torch.Tensor, data: torch.Tensor, peer: int) -> None:
+        time.sleep(self.faults.delay_s)
+        dst.copy_(data)
+        self._raise_signal(peer)
+
+    def signal(self, peer: int, stream: object = None) -> None:
+        """One signal to ``peer``, no data (``ncclSignal``)."""
+        del stream
+        self._check_peer(peer)
+        self._raise_signal(peer)
+
+    def wait_signal(self, peer: int, count: int, stream: object = None) -> None:
+        """Return once ``count`` more signals from ``peer`` have arrived (cumulative)."""
+        del stream
+        self._check_peer(peer)
+        if count <= 0:
+            raise StandinError(f"ncclWaitSignal: opCnt {count} must be > 0")
+        self._expected[peer] += count
+        target = self._expected[peer]
+        deadline = time.monotonic() + self.timeout_s
+        while int(self._signals[peer].item()) < target:
+            if time.monotonic() > deadline:
+                raise StandinTimeout(
+                    f"stand-in wait for signal {target} from rank {peer} passed "
+                    f"{self.timeout_s:.0f} s (it sent {int(self._signals[peer].item())})"
+                )
+            time.sleep(_POLL_S)
+
+    def signals_from(self, peer: int) -> int:
+        """Signals received from ``peer`` so far (tests and checks read it)."""
+        return int(self._signals[peer].item())
+
+    def destroy(self) -> None:
+        """Drop the mappings; the last rank to leave removes nothing (the creator's folder is
+        removed by :meth:`remove_folder`)."""
+        for thread in self._threads:
+            thread.join(self.faults.delay_s * 10 + 1)
+        self._threads.clear()
+        self._peer_windows.clear()
+        self._peer_signals.clear()
+        self.windows.clear()
+        self.closed = True
+
+    abort = destroy
+
+    def remove_folder(self) -> None:
+        """Delete the communicator's files (one rank, after every rank destroyed)."""
+        shutil.rmtree(self.folder, ignore_errors=True)
