@@ -50,7 +50,9 @@ from .transport.one_sided import (
 )
 from .transport.p2p import P2PCrossNode, P2PTransport
 
-__all__ = ["TideConfigError", "TideContext", "TideInstallError", "install", "uninstall"]
+__all__ = [
+    "TideConfigError", "TideContext", "TideInstallError", "context", "install", "uninstall",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,7 @@ class TideContext:
     slots: list = field(default_factory=list)  # SymmSlots
     node_groups: list = field(default_factory=list)  # node-local process groups made here
     rma_comms: list = field(default_factory=list)  # nccl_rma.RmaComm of the one-sided path
+    decisions: list = field(default_factory=list)  # what install logged: path per group, why
     forward_hook: object = None  # RemovableHandle of the bypass check
 
 
@@ -738,6 +741,7 @@ def install(model: nn.Module, options: TideOptions) -> None:
                 clear_global_ranks()  # nothing of this install stays cached
             raise
     _log_decisions(decisions, gathered[id(groups[0][0])][0]["log"])
+    ctx.decisions = decisions
     setattr(model, _MODEL_ATTR, ctx)
     if ctx.groups:
         fsdp_patch.acquire()
@@ -780,6 +784,12 @@ def _drop(ctx: TideContext, abort_rma: bool = True) -> None:
         with contextlib.suppress(Exception):
             comm.abort() if abort_rma else comm.destroy()
     ctx.rma_comms.clear()
+
+
+def context(model: nn.Module) -> TideContext | None:
+    """What :func:`install` set up for ``model`` (its ``decisions``: the path of every group
+    and why, as logged), or None when TIDE is not installed on it."""
+    return getattr(model, _MODEL_ATTR, None)
 
 
 def uninstall(model: nn.Module) -> None:
