@@ -1,0 +1,387 @@
+"""TIDE on NCCL windows: where every byte sits in a rank's window, and each round as ops.
+
+Pure Python (no torch, no ``torch.distributed``): the window transport
+(``transport/windows.py``) runs these ops on CUDA streams or on the CPU stand-in, and the
+tests replay every rank's ops against a checker of reads, writes and signals
+(``tests/comm/_window_replay.py``). Decisions: docs/2026-12-04-windows.md.
+
+Window of one rank of a process group laid out as ``num_nodes x local_world_size``
+(identical offsets on every rank; byte offsets, areas 256-byte aligned):
+
+- ``rail``: two halves (parity of the all-gather count) of ``num_nodes`` entries; entry ``m``
+  holds the packed shards (``plan.packed_entry``) of rank ``(m, l)``, ``l`` this rank's local
+  index. Written by this rank (its own entry) and by its rail peers (same local index, other
+  nodes); read by the placement and by the fan-out puts.
+- ``local``: two halves (parity of the round count: all-gathers and TIDE-RS rounds). In an
+  all-gather, ``(L - 1) x num_nodes`` entries: local peer at offset ``o = (l' - l) mod L``
+  writes its entries ``(m, l')`` at slot ``(o - 1) * num_nodes + m``. In a TIDE-RS round, the
+  staging rows ``t`` (``plan.rs_schedule``): at the same place (Slot-Reuse) or after the
+  all-gather part. Written only by local peers (and this rank's own RS row).
+- ``send``: ``rows`` staging rows of TIDE-RS slices this rank packs before putting them (a
+  put reads registered memory of its own rank; NCCL refuses anything else).
+
+Rounds, as ops on three streams (``main``: the caller's, TIDE's stream; ``put``: every put,
+signal and the rail waits; ``place``: placement copies and the waits on local peers). Every
+signal to a peer is issued on ``put``, so a peer's signals arrive in the order issued.
+
+- All-gather (:func:`ag_round_ops`): pack the own entry (the cast FSDP2's copy-in does), fan
+  it out to the local peers, place it; then per cross-node exchange (recursive doubling among
+  rail peers, the direct exchange when ``num_nodes`` is no power of two) and per wave of at
+  most ``pacing`` entries: put the wave's runs into the rail peer's entries, wait for its
+  wave, fan the arrived runs out to the local peers; on ``place`` the arrived runs and the
+  local peers' forwarded runs are placed while ``put`` moves the next wave (pipelined).
+- TIDE-RS round (:func:`rs_round_ops`): pack this round's slices (own slice into the own row),
+  put each peer's row, a bare signal to every local peer not put to, wait one signal from
+  every local peer, sum the rows.
+
+Reuse without credits: a peer writes half ``h`` of this rank's area again two rounds of that
+area later, after it waited for a signal this rank issued in the round between, which this
+rank issued after every read of half ``h`` (the round's last ops join ``put`` and ``place``
+into ``main``, the next round forks from ``main``). Every pair of local peers signals each
+other in every round; every pair of rail peers exchanges in every all-gather (recursive
+doubling: the same partners each round; direct exchange: all pairs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .plan import GroupPlan, PackedEntry, RSRound, RSSlice, WorldLayout
+
+__all__ = [
+    "Accumulate", "Fork", "Op", "PackOwn", "PackSlices", "Place", "Put", "Signal", "Wait",
+    "WindowLayout", "ag_round_ops", "entry_runs", "paced_pieces", "rs_round_ops",
+    "window_layout",
+]  # fmt: skip
+
+AREA_ALIGN = 256  # bytes: every area starts on this boundary
+MAIN, PUT, PLACE = "main", "put", "place"  # the streams of a round
+
+
+def _align(nbytes: int) -> int:
+    return -(-nbytes // AREA_ALIGN) * AREA_ALIGN
+
+
+@dataclass(frozen=True)
+class WindowLayout:
+    """Byte offsets of one rank's window (module docstring). ``entry_bytes``: the largest
+    group's packed entry; ``rs_row_bytes``: the largest reduce shard x gradient itemsize;
+    ``rows``: TIDE-RS rows per round; ``rs_shares_ag``: Slot-Reuse (RS rows over the
+    all-gather part of the local area)."""
+
+    num_nodes: int
+    local_world_size: int
+    entry_bytes: int
+    rs_row_bytes: int
+    rows: int
+    rs_shares_ag: bool
+    rail_base: int
+    rail_half_bytes: int
+    local_base: int
+    local_half_bytes: int
+    rs_offset: int  # of the RS rows inside a local half
+    send_base: int
+    total_bytes: int
+
+    def rail(self, half: int, node: int, entry_bytes: int) -> int:
+        """Byte offset of rail entry ``node`` of ``half`` for a group of ``entry_bytes``."""
+        return self.rail_base + half * self.rail_half_bytes + node * entry_bytes
+
+    def local_entry(self, half: int, src_local: int, dst_local: int, node: int,
+                    entry_bytes: int) -> int:  # fmt: skip
+        """Byte offset, in the window of local index ``dst_local``, of the entry of rank
+        ``(node, src_local)`` that ``src_local`` forwards there."""
+        offset = (src_local - dst_local) % self.local_world_size
+        if offset == 0:
+            raise ValueError("a rank forwards no entry to itself")
+        slot = (offset - 1) * self.num_nodes + node
+        return self.local_base + half * self.local_half_bytes + slot * entry_bytes
+
+    def rs_row(self, half: int, row: int, row_bytes: int) -> int:
+        """Byte offset of TIDE-RS staging row ``row`` of local ``half`` for a reduce of
+        ``row_bytes`` per row (rows are contiguous: one ``[rows, numel]`` tensor)."""
+        return self.local_base + half * self.local_half_bytes + self.rs_offset + row * row_bytes
+
+    def send_row(self, index: int, row_bytes: int) -> int:
+        """Byte offset of send row ``index`` (the packed slices for one peer)."""
+        return self.send_base + index * row_bytes
+
+
+def window_layout(
+    num_nodes: int, local_world_size: int, entry_bytes: int, rs_row_bytes: int, rows: int,
+    slot_reuse: bool = True,
+) -> WindowLayout:  # fmt: skip
+    """The window of a process group laid out ``num_nodes x local_world_size`` (rows: TIDE-RS
+    rows per round, at most ``local_world_size``; ``rs_row_bytes`` 0: no TIDE-RS)."""
+    if num_nodes < 1 or local_world_size < 1:
+        raise ValueError(f"layout {num_nodes} x {local_world_size}")
+    rows = min(max(rows, 1), local_world_size) if rs_row_bytes else 0
+    rail_half = _align(num_nodes * entry_bytes)
+    ag_local = (local_world_size - 1) * num_nodes * entry_bytes
+    rs_local = rows * rs_row_bytes
+    if slot_reuse:
+        local_half, rs_offset = _align(max(ag_local, rs_local)), 0
+    else:
+        local_half, rs_offset = _align(_align(ag_local) + rs_local), _align(ag_local)
+    local_base = 2 * rail_half
+    send_base = local_base + 2 * local_half
+    total = _align(send_base + rows * rs_row_bytes)
+    return WindowLayout(
+        num_nodes, local_world_size, entry_bytes, rs_row_bytes, rows, slot_reuse,
+        0, rail_half, local_base, local_half, rs_offset, send_base, total,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------- ops
+
+
+@dataclass(frozen=True)
+class PackOwn:
+    """Cast this rank's shards into its packed entry at ``dst`` (``main``). ``tag``: what
+    the bytes now hold (the replay checks every read against it)."""
+
+    stream: str
+    dst: int
+    nbytes: int
+    tag: tuple
+
+
+@dataclass(frozen=True)
+class PackSlices:
+    """Copy gradient slices into the own window (``main``): ``slices[i]`` goes to byte
+    ``dsts[i]`` (each row's slices at ``row start + dst_offset * itemsize``); ``rows``:
+    ``(row start, row bytes, tag)`` of every row written."""
+
+    stream: str
+    slices: tuple[RSSlice, ...]
+    dsts: tuple[int, ...]
+    rows: tuple[tuple[int, int, tuple], ...]
+
+
+@dataclass(frozen=True)
+class Put:
+    """``nbytes`` from own byte ``src`` into ``peer``'s window at ``dst``, then one signal
+    to ``peer`` (group ranks). ``tags``: what the bytes hold, one tag per equal piece
+    (an entry, a row)."""
+
+    stream: str
+    src: int
+    nbytes: int
+    peer: int
+    dst: int
+    tags: tuple[tuple, ...]
+
+
+@dataclass(frozen=True)
+class Signal:
+    """One signal to ``peer``, no data."""
+
+    stream: str
+    peer: int
+
+
+@dataclass(frozen=True)
+class Wait:
+    """The stream waits for ``count`` more signals from ``peer``."""
+
+    stream: str
+    peer: int
+    count: int
+
+
+@dataclass(frozen=True)
+class Place:
+    """Copy entries of the own window into the parameters' storage: ``(src byte, source
+    rank, tag)`` each (the entry of that rank's shards, packed)."""
+
+    stream: str
+    entries: tuple[tuple[int, int, tuple], ...]
+    entry_bytes: int
+
+
+@dataclass(frozen=True)
+class Accumulate:
+    """Sum rows ``[start, start + count * row_bytes)`` of the own window into the fp32
+    target (``main``); ``tags``: what each row must hold."""
+
+    stream: str
+    start: int
+    count: int
+    row_bytes: int
+    tags: tuple[tuple, ...]
+
+
+@dataclass(frozen=True)
+class Fork:
+    """``dst`` waits for everything issued on ``src`` so far (an event)."""
+
+    src: str
+    dst: str
+
+
+Op = PackOwn | PackSlices | Put | Signal | Wait | Place | Accumulate | Fork
+
+
+def entry_runs(nodes: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive node indices as ``(first, count)``."""
+    out: list[tuple[int, int]] = []
+    for m in sorted(nodes):
+        if out and out[-1][0] + out[-1][1] == m:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((m, 1))
+    return out
+
+
+def paced_pieces(runs: list[tuple[int, int]], pacing: int) -> list[list[tuple[int, int]]]:
+    """Waves of puts: ``pacing`` <= 0 -> one wave of the runs; else single entries,
+    ``pacing`` per wave (both sides of an exchange split a step the same way)."""
+    if pacing <= 0:
+        return [runs] if runs else []
+    singles = [(m + i, 1) for m, k in runs for i in range(k)]
+    return [singles[i : i + pacing] for i in range(0, len(singles), pacing)]
+
+
+def _forwarded_waves(plan: GroupPlan, pacing: int) -> list[tuple[int, list, list]]:
+    """Per cross-node exchange wave: ``(rail peer, send pieces, recv pieces)``."""
+    layout = plan.layout
+    out = []
+    for ex in plan.exchanges:
+        if ex.phase != "cross_node":
+            raise ValueError("the window all-gather takes a plan of cross-node exchanges only")
+        sends = paced_pieces(entry_runs([layout.node_of(r) for r in ex.send_ranks]), pacing)
+        recvs = paced_pieces(entry_runs([layout.node_of(r) for r in ex.recv_ranks]), pacing)
+        if ex.send_peer != ex.recv_peer and len(sends) != len(recvs):
+            raise AssertionError("direct exchange: send and receive waves differ")
+        for wave in range(max(len(sends), len(recvs))):
+            out.append((
+                ex.send_peer, ex.recv_peer,
+                sends[wave] if wave < len(sends) else [],
+                recvs[wave] if wave < len(recvs) else [],
+            ))  # fmt: skip
+    return out
+
+
+def ag_round_ops(
+    wl: WindowLayout, plan: GroupPlan, packing: PackedEntry, ag_index: int, round_index: int,
+    pacing: int,
+) -> list[Op]:  # fmt: skip
+    """One all-gather of ``plan`` (cross-node exchanges only: ``build_group_plan(...,
+    pull_local=True)``) as this rank's ops. ``ag_index``: all-gathers before it on this
+    window (rail parity); ``round_index``: rounds before it (local parity)."""
+    layout: WorldLayout = plan.layout
+    rank, lws = plan.rank, layout.local_world_size
+    node, local = layout.node_of(rank), layout.local_of(rank)
+    entry = packing.entry_bytes
+    if entry > wl.entry_bytes:
+        raise AssertionError(f"entry of {entry} B > the window's {wl.entry_bytes} B")
+    rail_half, local_half = ag_index % 2, round_index % 2
+    peers = [layout.rank_of(node, lp) for lp in range(lws) if lp != local]
+
+    def tag(source_rank: int) -> tuple:
+        return ("ag", ag_index, source_rank)
+
+    def run_tags(first: int, count: int) -> tuple[tuple, ...]:
+        return tuple(tag(layout.rank_of(m, local)) for m in range(first, first + count))
+
+    def fan_out(first: int, count: int) -> list[Op]:
+        return [
+            Put(PUT, wl.rail(rail_half, first, entry), count * entry, peer,
+                wl.local_entry(local_half, local, layout.local_of(peer), first, entry),
+                run_tags(first, count))
+            for peer in peers
+        ]
+
+    def arrivals(first: int, count: int) -> list[Op]:
+        """Waits for the local peers' forwards of nodes ``first .. first + count - 1`` (one
+        signal each) and their placement, on ``place``."""
+        ops: list[Op] = []
+        for peer in peers:
+            lp = layout.local_of(peer)
+            ops.append(Wait(PLACE, peer, 1))
+            ops.append(Place(PLACE, tuple(
+                (wl.local_entry(local_half, lp, local, m, entry), layout.rank_of(m, lp),
+                 tag(layout.rank_of(m, lp)))
+                for m in range(first, first + count)
+            ), entry))  # fmt: skip
+        return ops
+
+    ops: list[Op] = [PackOwn(MAIN, wl.rail(rail_half, node, entry), entry, tag(rank)),
+                     Fork(MAIN, PUT), Fork(MAIN, PLACE)]  # fmt: skip
+    ops += fan_out(node, 1)
+    ops.append(Place(PLACE, ((wl.rail(rail_half, node, entry), rank, tag(rank)),), entry))
+    ops += arrivals(node, 1)
+    for send_peer, recv_peer, sends, recvs in _forwarded_waves(plan, pacing):
+        for first, count in sends:
+            ops.append(Put(PUT, wl.rail(rail_half, first, entry), count * entry, send_peer,
+                           wl.rail(rail_half, first, entry), run_tags(first, count)))  # fmt: skip
+        if recvs:
+            ops.append(Wait(PUT, recv_peer, len(recvs)))
+        for first, count in recvs:
+            ops += fan_out(first, count)
+        if recvs:
+            ops.append(Fork(PUT, PLACE))
+            ops.append(Place(PLACE, tuple(
+                (wl.rail(rail_half, m, entry), layout.rank_of(m, local),
+                 tag(layout.rank_of(m, local)))
+                for first, count in recvs for m in range(first, first + count)
+            ), entry))  # fmt: skip
+        for first, count in recvs:
+            ops += arrivals(first, count)
+    ops += [Fork(PUT, MAIN), Fork(PLACE, MAIN)]
+    return ops
+
+
+def rs_round_ops(
+    wl: WindowLayout, layout: WorldLayout, rank: int, rnd: RSRound, pushes: tuple[RSSlice, ...],
+    row_numel: int, itemsize: int, round_index: int,
+) -> list[Op]:  # fmt: skip
+    """One node-local TIDE-RS round (``plan.rs_schedule``) as this rank's ops: the pack of
+    its ``pushes`` (the own slice into its own row, the others into send rows), one put per
+    peer's row, bare signals to the local peers it does not put to, one wait per local peer,
+    then the sum of the ``len(rnd.recvs)`` received rows (``row_numel`` elements of
+    ``itemsize`` bytes) into the target."""
+    node, local, lws = layout.node_of(rank), layout.local_of(rank), layout.local_world_size
+    half = round_index % 2
+    row_bytes = row_numel * itemsize
+    if row_bytes > wl.rs_row_bytes or len(rnd.recvs) > wl.rows:
+        raise AssertionError(
+            f"TIDE-RS round of {len(rnd.recvs)} x {row_bytes} B > the window's "
+            f"{wl.rows} x {wl.rs_row_bytes} B rows"
+        )
+    send_index = {peer: i for i, (peer, _) in enumerate(p for p in rnd.sends if p[0] != local)}
+    row_of = dict(rnd.sends)
+
+    def tag(src_local: int, dst_local: int) -> tuple:
+        return ("rs", round_index, layout.rank_of(node, src_local),
+                layout.rank_of(rnd.chunk_node, dst_local))  # fmt: skip
+
+    def row_start(peer: int) -> int:
+        if peer == local:
+            return wl.rs_row(half, row_of[peer], row_bytes)
+        return wl.send_row(send_index[peer], row_bytes)
+
+    dsts = tuple(row_start(p.peer) + p.dst_offset * itemsize for p in pushes)
+    rows = tuple((row_start(peer), row_bytes, tag(local, peer)) for peer, _ in rnd.sends)
+    ops: list[Op] = [PackSlices(MAIN, tuple(pushes), dsts, rows), Fork(MAIN, PUT)]
+    sent_to = set()
+    for peer, row in rnd.sends:
+        if peer == local:
+            continue
+        sent_to.add(peer)
+        ops.append(Put(PUT, wl.send_row(send_index[peer], row_bytes), row_bytes,
+                       layout.rank_of(node, peer), wl.rs_row(half, row, row_bytes),
+                       (tag(local, peer),)))  # fmt: skip
+    for lp in range(lws):
+        if lp != local and lp not in sent_to:
+            ops.append(Signal(PUT, layout.rank_of(node, lp)))
+    for lp in range(lws):
+        if lp != local:
+            ops.append(Wait(PUT, layout.rank_of(node, lp), 1))
+    ops.append(Fork(PUT, MAIN))
+    recv_tags = [None] * len(rnd.recvs)
+    for peer, row in rnd.recvs:
+        recv_tags[row] = tag(peer, local)
+    ops.append(Accumulate(MAIN, wl.rs_row(half, 0, row_bytes), len(rnd.recvs), row_bytes,
+                          tuple(recv_tags)))  # fmt: skip
+    return ops
