@@ -103,7 +103,7 @@ def _setup_cases(rank: int, records: _Records) -> None:
     store.set_timeout(timedelta(seconds=40))  # the store/group timeout (minutes in a job)
     waiter = store.clone()  # the fake rendezvous blocks here, not on the default client
     real = (topology.choose_transport, SymmSlots.allocate, symm_mem.rendezvous)
-    topology.choose_transport = lambda *a, **k: ("copy_engine", "forced by the test")
+    topology.choose_transport = lambda *a, **k: ("copy_engine", "forced by the test", None)
     SymmSlots.allocate = staticmethod(
         lambda slot_bytes, device: torch.zeros(2 * slot_alloc_bytes(slot_bytes), dtype=torch.uint8)
     )

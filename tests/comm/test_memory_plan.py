@@ -275,11 +275,13 @@ def test_cli_reads_tide_section_and_flags_override(capsys, tmp_path):
 
 
 def test_one_sided_windows_are_counted():
-    """The one-sided transport's windows as install sizes them: TIDE-RS (K + 2N) regions
-    of the largest fp32 shard (256-byte rounded), TIDE-AG 2N packed entries at one rank
-    per node; send/recv's ring is (K + 1) fp32 shards."""
+    """The one-sided transports' windows as install sizes them: TIDE-AG's rail entries
+    (2N packed shards at one rank per node) plus TIDE-RS's rows in one window, the phase-2
+    ring of 2K regions of the largest fp32 shard (256-byte rounded) whatever N; send/recv's
+    ring is (K + 1) fp32 shards."""
     from torchtitan_tide.comm.memory_plan import CommDtypes, GroupShape, plan_memory
-    from torchtitan_tide.comm.transport.one_sided import ag_window_bytes, rs_window_bytes
+    from torchtitan_tide.comm.transport.one_sided import rs_ring_bytes
+    from torchtitan_tide.comm.window_rounds import window_layout
 
     groups = [GroupShape("layer", ((1000, 64),))]
     dtypes = CommDtypes(param_bytes=2, reduce_bytes=4, master_bytes=4)
@@ -287,7 +289,13 @@ def test_one_sided_windows_are_counted():
     p2p = plan_memory(groups, 4, 1, dtypes, rs_inflight=2)["tide"]
     one = plan_memory(groups, 4, 1, dtypes, rs_inflight=2, cross_node="one_sided")["tide"]
     assert p2p.parts["rs_cross_node_fp32"] == 3 * shard * 4
-    assert one.parts["rs_cross_node_fp32"] == rs_window_bytes(4, 2, shard * 4)
-    assert one.ag_bytes - p2p.ag_bytes == ag_window_bytes(4, shard * 2)
+    assert one.parts["rs_cross_node_fp32"] == rs_ring_bytes(2, shard * 4, wire=False)
+    assert one.ag_bytes == window_layout(4, 1, shard * 2, 0).total_bytes
+    assert one.ag_bytes + one.parts["rs_staging_extra"] == window_layout(
+        4, 1, shard * 2, max(shard * 2, shard * 4)).total_bytes
+    # the ring does not grow with the node count at a fixed per-rank shard
+    groups16 = [GroupShape("layer", ((4000, 64),))]  # W = 16: the same shard per rank
+    one16 = plan_memory(groups16, 16, 1, dtypes, rs_inflight=2, cross_node="one_sided")["tide"]
+    assert one16.parts["rs_cross_node_fp32"] == one.parts["rs_cross_node_fp32"]
     with pytest.raises(ValueError, match="cross_node"):
         plan_memory(groups, 4, 1, dtypes, cross_node="rdma")

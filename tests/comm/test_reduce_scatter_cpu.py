@@ -515,17 +515,18 @@ def test_one_sided_wire_slot_is_window_memory_no_peer_writes():
     receive region a peer puts into, and holds the largest partial in bf16."""
     from types import SimpleNamespace
 
-    from torchtitan_tide.comm.transport.one_sided import OneSidedCrossNode, rs_window_bytes
+    from torchtitan_tide.comm.plan import WorldLayout
+    from torchtitan_tide.comm.transport.one_sided import OneSidedCrossNode, rs_ring_bytes
 
-    nodes, inflight, shard_bytes = 4, 2, 1000 * 4
-    buf = torch.zeros(rs_window_bytes(nodes, inflight, shard_bytes), dtype=torch.uint8)
+    inflight, shard_bytes = 2, 1000 * 4
+    buf = torch.zeros(rs_ring_bytes(inflight, shard_bytes, wire=True), dtype=torch.uint8)
     window = SimpleNamespace(tensor=buf, ptr=buf.data_ptr(), nbytes=buf.numel())
-    rs = OneSidedCrossNode(None, window, nodes, inflight, shard_bytes, "g")
+    rs = OneSidedCrossNode(None, None, window, WorldLayout(4, 1), 0, inflight, shard_bytes,
+                           True, "g")  # fmt: skip
     wire = rs.wire_slot(torch.bfloat16)
     start = wire.data_ptr() - buf.data_ptr()
-    used = {(0, inflight * rs.region_bytes)}  # the partial ring
-    used |= {(rs._recv_offset(p, s), rs._recv_offset(p, s) + rs.region_bytes)
-             for p in (0, 1) for s in range(1, nodes)}  # fmt: skip
+    used = {(rs.ring.send(k), rs.ring.send(k) + rs.region_bytes) for k in range(inflight)}
+    used |= {(rs.ring.recv(k), rs.ring.recv(k) + rs.region_bytes) for k in range(inflight)}
     end = start + wire.numel() * 2
     assert wire.dtype == torch.bfloat16 and wire.numel() >= shard_bytes // 4
     assert 0 <= start and end <= buf.numel()

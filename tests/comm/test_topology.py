@@ -18,6 +18,7 @@ from torchtitan_tide.comm.memory_plan import (
 from torchtitan_tide.comm.options import TideOptions
 from torchtitan_tide.comm.plan import WorldLayout
 from torchtitan_tide.comm.topology import (
+    SHARED_GPU,
     RankInfo,
     backend_has_p2p,
     choose_transport,
@@ -93,20 +94,56 @@ def test_backend_point_to_point():
 def test_auto_transport_without_point_to_point_takes_fsdp2():
     cpu = torch.device("cpu")
     no_access = (False, "not CUDA")
-    kind, why = choose_transport(TideOptions(), WorldLayout(2, 2), cpu, "threaded", no_access)
+    kind, why, _ = choose_transport(TideOptions(), WorldLayout(2, 2), cpu, "threaded", no_access)
     assert kind is None and "no point-to-point" in why
     assert why.startswith("auto: 1 node x 2: ")  # issue 22: not "1 nodes"
     assert WorldLayout(16, 8).shape == "2 nodes x 8"
-    kind, why = choose_transport(TideOptions(), WorldLayout(2, 1), cpu, "gloo", no_access)
+    kind, why, _ = choose_transport(TideOptions(), WorldLayout(2, 1), cpu, "gloo", no_access)
     assert kind == "p2p"
     # One node whose GPUs reach each other: the copy engine needs no p2p backend.
     cuda = torch.device("cuda", 0)
-    kind, _ = choose_transport(TideOptions(), WorldLayout(2, 2), cuda, "threaded", (True, "P2P"))
+    p2p_access = (True, "P2P")
+    kind, _, _ = choose_transport(TideOptions(), WorldLayout(2, 2), cuda, "threaded", p2p_access)
     assert kind == "copy_engine"
-    kind, why = choose_transport(TideOptions(), WorldLayout(4, 2), cuda, "threaded", (True, "P2P"))
+    kind, why, _ = choose_transport(TideOptions(), WorldLayout(4, 2), cuda, "threaded", p2p_access)
     assert kind is None and "cross-node phase" in why
     with pytest.raises(ValueError, match=r"transport='gloo' \(\[tide\] ag_transport\)"):
         choose_transport(TideOptions(transport="gloo"), WorldLayout(2, 1), cuda, "nccl", no_access)
+
+
+def test_auto_takes_nccl_windows_where_they_earn_their_place():
+    """Across nodes and between ranks that share a GPU: windows (fallback named); one node of
+    ranks on their own GPUs: the copy engine (pulls, no placement copy, L x smaller slots)."""
+    cuda, nccl = torch.device("cuda", 0), "nccl"
+    ok = (True, "NCCL 2.30.7")
+    shared = (False, f"group ranks [1] {SHARED_GPU} (torch's symmetric memory refuses ...)")
+    p2p_access = (True, "CUDA P2P to the GPUs of the 1 other rank(s) of this node")
+    auto = TideOptions()
+    kind, why, fallback = choose_transport(auto, WorldLayout(8, 2), cuda, nccl, p2p_access, ok)
+    assert (kind, fallback) == ("windows", "copy_engine") and "4 nodes x 2" in why
+    kind, _, fallback = choose_transport(auto, WorldLayout(4, 1), cuda, nccl, (False, "n"), ok)
+    assert (kind, fallback) == ("windows", "p2p")
+    kind, why, fallback = choose_transport(auto, WorldLayout(2, 2), cuda, nccl, shared, ok)
+    assert (kind, fallback) == ("windows", "p2p") and SHARED_GPU in why
+    kind, _, fallback = choose_transport(auto, WorldLayout(2, 2), cuda, nccl, p2p_access, ok)
+    assert (kind, fallback) == ("copy_engine", None)
+    # cross_node_transport = "p2p" keeps send/recv across nodes
+    p2p = TideOptions(cross_node_transport="p2p")
+    kind, _, _ = choose_transport(p2p, WorldLayout(8, 2), cuda, nccl, p2p_access, ok)
+    assert kind == "copy_engine"
+    # windows that cannot run: what auto takes without them, the reason in the log line
+    kind, why, _ = choose_transport(auto, WorldLayout(2, 2), cuda, nccl, shared,
+                                    (False, "NCCL 2.28.9 refuses two ranks on one GPU"))  # fmt: skip
+    assert kind == "p2p" and "NCCL windows: NCCL 2.28.9" in why
+    forced = TideOptions(transport="nccl_windows")
+    with pytest.raises(ValueError, match="ag_transport.*cannot run here: no host RMA"):
+        choose_transport(forced, WorldLayout(2, 2), cuda, nccl, shared, (False, "no host RMA"))
+    both = TideOptions(transport="nccl_windows", cross_node_transport="p2p")
+    with pytest.raises(ValueError, match="cross_node_transport = 'p2p' asks for send/recv"):
+        choose_transport(both, WorldLayout(4, 2), cuda, nccl, shared, ok)
+    with pytest.raises(ValueError, match="copy_engine.*cannot run here"):
+        choose_transport(TideOptions(transport="copy_engine"), WorldLayout(2, 2), cuda, nccl,
+                         shared, ok)  # fmt: skip
 
 
 def test_slot_sizes_one_rule_for_install_and_planner():

@@ -20,10 +20,13 @@ from torchtitan_tide.comm.plan import (
 )
 from torchtitan_tide.comm.window_rounds import (
     Fork,
+    PackOwn,
     Signal,
     ag_round_ops,
     entry_runs,
     paced_pieces,
+    ring_layout,
+    ring_step_ops,
     rs_round_ops,
     window_layout,
 )
@@ -57,8 +60,8 @@ def programs_for(layout: WorldLayout, events: list[tuple[str, str]], pacing: int
     }
     entry = max(p.entry_bytes for p in packings.values())
     row_bytes = max(sum(s) for s in GROUPS.values()) * ITEMSIZE
-    wl = window_layout(layout.num_nodes, layout.local_world_size, entry, row_bytes, rows,
-                       slot_reuse)  # fmt: skip
+    wl = window_layout(layout.num_nodes, layout.local_world_size, entry,
+                       min(rows, layout.local_world_size) * row_bytes, slot_reuse)  # fmt: skip
     if one_half:
         wl = dataclasses.replace(wl, rail_half_bytes=0, local_half_bytes=0)
     programs = []
@@ -106,9 +109,9 @@ def test_rs_rows_after_the_ag_area_without_slot_reuse(nodes, lws):
 
 
 def test_layout_offsets_and_sizes():
-    wl = window_layout(4, 2, entry_bytes=1000, rs_row_bytes=3000, rows=2)
+    wl = window_layout(4, 2, entry_bytes=1000, rs_area_bytes=6000)
     assert wl.rail_half_bytes == 4096 and wl.rail(1, 3, 1000) == 4096 + 3000
-    # (L - 1) x N entries = 4000 B vs 2 rows x 3000 B: the larger, shared (Slot-Reuse)
+    # (L - 1) x N entries = 4000 B vs 6000 B of rows: the larger, shared (Slot-Reuse)
     assert wl.local_half_bytes == 6144 and wl.local_base == 8192
     assert wl.local_entry(1, src_local=1, dst_local=0, node=2, entry_bytes=1000) == (
         8192 + 6144 + 2 * 1000
@@ -117,10 +120,8 @@ def test_layout_offsets_and_sizes():
     assert wl.total_bytes == 8192 + 2 * 6144 + 6144
     with pytest.raises(ValueError, match="no entry to itself"):
         wl.local_entry(0, 1, 1, 0, 1000)
-    apart = window_layout(4, 2, 1000, 3000, 2, slot_reuse=False)
+    apart = window_layout(4, 2, 1000, 6000, slot_reuse=False)
     assert apart.rs_offset == 4096 and apart.local_half_bytes == 4096 + 6144
-    # without TIDE-RS the window holds no rows
-    assert window_layout(2, 2, 100, 0, 2).rows == 0
 
 
 def test_runs_and_waves():
@@ -157,3 +158,44 @@ def test_replay_finds_one_half_only():
     programs, nbytes = programs_for(WorldLayout(4, 2), EVENTS, 0, 2, one_half=True)
     with pytest.raises(ReplayError, match="race"):
         Replay(programs, nbytes).run()
+
+
+def ring_programs(layout: WorldLayout, slots: int, reduces: int, credits: bool = True):
+    """Every rank's phase-2 ops over ``reduces`` reduces (N - 1 steps each); phase 1 writes
+    each partial into send slot ``g % slots`` before its step, and waits for the step before
+    writing that slot again (``RSBuffers``' events)."""
+    nbytes = 64
+    rl = ring_layout(slots, nbytes, wire=False)
+    programs = []
+    for rank in range(layout.world_size):
+        ops = []
+        for g in range(reduces * (layout.num_nodes - 1)):
+            src = rl.send(g % slots)
+            ops += [PackOwn("main", src, nbytes, ("p2", g, rank)), Fork("main", "put")]
+            step = ring_step_ops(rl, layout, rank, g, src, nbytes)
+            if not credits:
+                step = [op for op in step if getattr(op, "comm", "") != "credit"]
+            ops += step + [Fork("put", "main")]
+        programs.append(ops)
+    return programs, rl.total_bytes
+
+
+@pytest.mark.parametrize("nodes,lws", [(2, 1), (3, 1), (4, 2), (5, 1), (8, 1), (3, 2)])
+def test_phase2_ring_replays_for_any_node_count(nodes, lws):
+    for slots in (1, 2, 3):
+        programs, nbytes = ring_programs(WorldLayout(nodes * lws, lws), slots, reduces=3)
+        # the credits for steps after the last are sent and never needed
+        Replay(programs, nbytes).run(all_waited=False)
+
+
+def test_phase2_ring_needs_its_credits():
+    programs, nbytes = ring_programs(WorldLayout(5, 1), 1, reduces=3, credits=False)
+    with pytest.raises(ReplayError, match="race"):
+        Replay(programs, nbytes).run()
+
+
+def test_ring_window_does_not_grow_with_nodes():
+    assert ring_layout(2, 1000, wire=False).total_bytes == 4 * 1024
+    assert ring_layout(2, 1000, wire=True).total_bytes == 5 * 1024
+    with pytest.raises(ValueError, match="no wire region"):
+        _ = ring_layout(2, 1000, wire=False).wire_start

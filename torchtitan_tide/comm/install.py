@@ -25,10 +25,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from . import fsdp_internals, fsdp_patch, kernels, topology
+from . import fsdp_internals, fsdp_patch, kernels, topology, window_setup
 from .all_gather import TideGroupState
 from .fsdp_internals import fsdp_param_groups
-from .memory_plan import slot_sizes
+from .memory_plan import rs_staging_bytes, slot_sizes
 from .options import TideOptions
 from .plan import ParamSpec, WorldLayout, build_group_plan
 from .reduce_scatter import WIRE_DTYPES, RSBuffers, TideRSState, wire_label
@@ -39,16 +39,12 @@ from .transport import (
     ReduceScatterTransport,
     clear_global_ranks,
     group_global_ranks,
-    nccl_rma,
 )
 from .transport.copy_engine import CopyEngineTransport, SymmSlots
-from .transport.one_sided import (
-    OneSidedAllGather,
-    OneSidedCrossNode,
-    ag_window_bytes,
-    rs_window_bytes,
-)
+from .transport.one_sided import OneSidedCrossNode, rs_ring_bytes
 from .transport.p2p import P2PCrossNode, P2PTransport
+from .transport.windows import WindowSlots, WindowTransport
+from .window_rounds import window_layout
 
 __all__ = [
     "TideConfigError", "TideContext", "TideInstallError", "context", "install", "uninstall",
@@ -67,7 +63,7 @@ class TideContext:
     groups: list = field(default_factory=list)  # FSDPParamGroup marked for TIDE
     slots: list = field(default_factory=list)  # SymmSlots
     node_groups: list = field(default_factory=list)  # node-local process groups made here
-    rma_comms: list = field(default_factory=list)  # nccl_rma.RmaComm of the one-sided path
+    rma_comms: list = field(default_factory=list)  # one-sided communicators (windows, ring)
     decisions: list = field(default_factory=list)  # what install logged: path per group, why
     forward_hook: object = None  # RemovableHandle of the bypass check
 
@@ -90,10 +86,14 @@ class _Candidate:
     group: dist.ProcessGroup
     device: torch.device
     root: str
-    kind: str | None = None  # "copy_engine" | "p2p" | None (FSDP2's path)
+    kind: str | None = None  # "windows" | "copy_engine" | "p2p" | None (FSDP2's path)
     why: str = ""
     plan: object = None  # GroupPlan
     layout: WorldLayout | None = None
+    access: tuple[bool, str] = (False, "")  # topology.local_peer_access
+    backend: str = ""
+    fallback: str | None = None  # the kind ``auto`` takes if the windows fail
+    fallback_why: str = ""
 
 
 @contextlib.contextmanager
@@ -169,26 +169,45 @@ def _select(model: nn.Module, decisions: list[str]) -> list[_Candidate]:
     return cands
 
 
-def _decide(
+def _layouts(
     cands: list[_Candidate],
     options: TideOptions,
     infos: dict[int, list[topology.RankInfo]],
 ) -> None:
-    """Per candidate: layout, this rank's transport proposal, plan (local only)."""
+    """Per candidate: layout, CUDA P2P to its local peers, backend (local only)."""
     for c in cands:
         rank_infos = infos[id(c.group)]
         lws, lws_source = topology.resolve_local_world_size(options, topology.node_keys(rank_infos))
         layout = WorldLayout(c.group.size(), lws)
-        rank = c.group.rank()
-        access = (
-            topology.local_peer_access(rank_infos, layout, rank)
+        c.access = (
+            topology.local_peer_access(rank_infos, layout, c.group.rank())
             if c.device.type == "cuda" and lws > 1
             else (False, "not CUDA" if c.device.type != "cuda" else "no node-local peers")
         )
-        backend = str(dist.get_backend(c.group))
-        c.kind, c.why = topology.choose_transport(options, layout, c.device, backend, access)
+        c.backend = str(dist.get_backend(c.group))
         c.layout = layout
-        c.why += f"; {layout.shape} ({lws_source})"
+        c.why = f"{layout.shape} ({lws_source})"
+
+
+def _choose(cands: list[_Candidate], options: TideOptions, probes: dict) -> None:
+    """Per candidate: this rank's transport proposal, given what the one-sided probe of its
+    process group found (``probes``, agreed by every rank of the group)."""
+    for c in cands:
+        assert c.layout is not None
+        found = probes.get((id(c.group), c.device))
+        windows = (
+            (False, "") if found is None or found.api is None
+            else (True, found.api.version()) if found.capable else (False, found.reason)
+        )  # fmt: skip
+        kind, why, fallback = topology.choose_transport(
+            options, c.layout, c.device, c.backend, c.access, windows
+        )
+        c.kind, c.fallback = kind, fallback
+        c.why = f"{why}; {c.why}"
+        if fallback is not None:
+            _, c.fallback_why, _ = topology.choose_transport(
+                options, c.layout, c.device, c.backend, c.access, (False, "set-up failed")
+            )
 
 
 def _settle_transports(cands: list[_Candidate], gathered: dict[int, list[dict]]) -> None:
@@ -208,14 +227,16 @@ def _settle_transports(cands: list[_Candidate], gathered: dict[int, list[dict]])
 
 
 def _build_plans(
-    cands: list[_Candidate], decisions: list[str], fqns: dict[int, str], pacing: int
+    cands: list[_Candidate], decisions: list[str] | None, fqns: dict[int, str], pacing: int
 ) -> list[_Candidate]:
     """Plan every candidate with a transport (local); ``fqns``: parameter names;
-    ``pacing``: the most point-to-point chunks per wave (``TideOptions.pacing``)."""
+    ``pacing``: the most point-to-point chunks per wave (``TideOptions.pacing``);
+    ``decisions`` None: plan only (the log lines come once the transports are final)."""
     taken = []
     for c in cands:
         if c.kind is None:
-            decisions.append(f"{c.fqn}: FSDP2 path ({c.why})")
+            if decisions is not None:
+                decisions.append(f"{c.fqn}: FSDP2 path ({c.why})")
             continue
         specs = [
             ParamSpec(
@@ -228,18 +249,23 @@ def _build_plans(
         ]
         assert c.layout is not None
         c.plan = build_group_plan(
-            specs, c.layout, c.group.rank(), pull_local=c.kind == "copy_engine",
+            specs, c.layout, c.group.rank(), pull_local=c.kind in ("copy_engine", "windows"),
             pacing=pacing,
         )
         if not c.plan.uses_tide:
-            decisions.append(f"{c.fqn}: FSDP2 path ({c.plan.fallback_reason})")
+            if decisions is not None:
+                decisions.append(f"{c.fqn}: FSDP2 path ({c.plan.fallback_reason})")
             continue
+        taken.append(c)
+    return taken
+
+
+def _log_transports(taken: list[_Candidate], decisions: list[str]) -> None:
+    for c in taken:
         decisions.append(
             f"{c.fqn}: transport={c.kind} ({c.why}); {len(c.plan.params)} params, "
             f"dtypes {list(c.plan.dtypes)}"
         )
-        taken.append(c)
-    return taken
 
 
 @dataclass
@@ -360,205 +386,160 @@ def _node_local_group(
     return node_group
 
 
-@dataclass
-class _OneSided:
-    """The one-sided transports of one (process group, device); None where not used."""
-
-    ag: OneSidedAllGather | None = None
-    rs: OneSidedCrossNode | None = None
-
-
-_NOT_NCCL = "needs CUDA parameters and an NCCL process group"
+def _by_key(cands: list[_Candidate]) -> dict[tuple, list[_Candidate]]:
+    """Candidates per (process group, device), in model order."""
+    out: dict[tuple, list[_Candidate]] = {}
+    for c in cands:
+        out.setdefault((id(c.group), c.device), []).append(c)
+    return out
 
 
-def _agree_to_try(
-    soft: _SoftSteps, failure: str | None, is_first: bool, sides: int
-) -> tuple[list[bytes], str | None]:
-    """One exchange over the group: every rank's reason not to try the one-sided path
-    (None: none) and the first rank's unique ids. Returns ``(ids, None)`` when every rank
-    can try, else ``([], the reasons naming their ranks)``: the whole group decides alike,
-    also when one node loaded another NCCL."""
-    ids: list[bytes] | None = None
-    if is_first and failure is None:
-        try:
-            ids = [nccl_rma.new_unique_id() for _ in range(sides)]
-        except Exception as e:  # noqa: BLE001 - a reason like any other, told to every rank
-            failure = f"{type(e).__name__}: {e}"
-    posted = soft.exchange("one-sided reasons and unique ids", (failure, ids))
-    reasons = [(r, why) for r, (why, _) in enumerate(posted) if why is not None]
-    if reasons:
-        return [], "; ".join(f"group rank {r}: {why}" for r, why in reasons)
-    return posted[0][1], None
-
-
-def _one_sided_wanted(
-    members: list[_Candidate], options: TideOptions
-) -> tuple[bool, bool, str | None]:
-    """``(for TIDE-AG, for TIDE-RS phase 2, why not)`` of one process group's candidates,
-    before any collective: the AG of groups with one rank per node, the RS phase 2 of any
-    multi-node TIDE-RS group; ``why not``: this process cannot use the API at all."""
-    c = members[0]
-    layout = c.layout
+def _ring_wanted(members: list[_Candidate], options: TideOptions) -> bool:
+    """TIDE-RS phase 2 could go one-sided for this process group."""
+    layout = members[0].layout
     assert layout is not None
-    want_ag = any(m.kind == "p2p" and layout.local_world_size == 1 for m in members)
-    want_rs = options.reduce_scatter == "tide" and any(
-        m.pg._reduce_scatter_process_group is m.group for m in members
+    return (
+        options.reduce_scatter == "tide"
+        and layout.num_nodes > 1
+        and options.cross_node_transport != "p2p"
+        and any(m.pg._reduce_scatter_process_group is m.group for m in members)
     )
-    if c.device.type != "cuda" or "nccl" not in str(dist.get_backend(c.group)).lower():
-        return want_ag, want_rs, _NOT_NCCL
-    return want_ag, want_rs, nccl_rma.one_sided_missing_reason()
 
 
-class _SoftSteps:
-    """One group's one-sided set-up steps: each a bounded collective (``SetupSteps``,
-    run on the group's ``device``) whose NCCL error is an outcome every rank learns (one
-    exchange), not a failure."""
-
-    def __init__(
-        self, steps: SetupSteps, scope: str, peers: list[int], device: torch.device
-    ) -> None:
-        self.steps, self.scope, self.peers, self.device = steps, scope, peers, device
-
-    def exchange(self, what: str, value: object) -> list:
-        return self.steps.exchange(what, self.scope, self.peers, value)
-
-    def attempt(self, what: str, fn):
-        """``(fn's value or None, None or every failing rank's error)``."""
-
-        def soft():
-            try:
-                return fn(), None
-            except Exception as e:  # noqa: BLE001 - an outcome every rank learns, not a failure
-                return None, f"{type(e).__name__}: {e}" if not isinstance(
-                    e, nccl_rma.NcclError) else str(e)  # fmt: skip
-
-        value, error = self.steps.run(what, self.scope, self.peers, soft, self.device)
-        bad = [(r, e) for r, e in enumerate(self.exchange(f"{what} outcome", error)) if e]
-        return value, "; ".join(f"group rank {r}: {e}" for r, e in bad) or None
-
-
-def _one_sided_side(
-    soft: _SoftSteps, c: _Candidate, uid: bytes, nbytes: int, made: list
-) -> tuple[tuple | None, str | None]:
-    """One communicator + host-RMA check + window of one side (TIDE-AG or TIDE-RS):
-    ``((comm, window), None)`` or ``(None, why not)``; communicators made go to ``made``."""
-    rank, size = c.group.rank(), c.group.size()
-    comm, failure = soft.attempt(
-        "one-sided NCCL communicator", lambda: nccl_rma.RmaComm.create(uid, rank, size, c.device)
-    )
-    if comm is None:
-        return None, failure
-    made.append(comm)
-    if failure is not None:
-        return None, failure
-    support, failure = soft.attempt("one-sided host RMA query", comm.host_rma_supported)
-    if failure is not None:
-        return None, failure
-    supported = soft.exchange("one-sided host RMA", support)
-    lacking = [r for r, ok in enumerate(supported) if ok is False]
-    if lacking:
-        version = nccl_rma.version_text(nccl_rma.nccl_version())
-        return (
-            None,
-            f"NCCL {version} reports no host RMA between these nodes (group ranks {lacking})",
-        )
-    window, failure = soft.attempt("one-sided window", lambda: comm.register(nbytes))
-    return (None, failure) if failure is not None else ((comm, window), None)
-
-
-def _connect_one_sided(
-    taken: list[_Candidate],
-    options: TideOptions,
-    ctx: TideContext,
-    decisions: list[str],
-    install_seq: int,
-) -> dict[tuple, _OneSided]:
-    """The one-sided cross-node transports per (process group, device) of multi-node
-    candidates (``[tide] cross_node_transport``). Collective over each such group's ranks,
-    every step bounded by ``install_timeout_s``: two NCCL communicators of TIDE's own
-    (TIDE-AG, TIDE-RS: one signal protocol each), the host-RMA query and the window
-    registrations. Under ``"auto"`` an outcome short of one-sided on any rank (old NCCL,
-    no host RMA across these nodes, a NULL window) makes every rank of the group keep
-    send/recv, logged with the reason; under ``"nccl_one_sided"`` it raises ``ValueError``
-    naming it (install reports it on every rank)."""
-    choice = options.cross_node_transport
-    by_key: dict[tuple[int, torch.device], list[_Candidate]] = {}
-    for c in taken:
-        assert c.layout is not None
-        if c.layout.num_nodes > 1:
-            by_key.setdefault((id(c.group), c.device), []).append(c)
-    out: dict[tuple, _OneSided] = {}
-    if choice == "p2p":
-        for members in by_key.values():
-            decisions.append(
-                f"{members[0].fqn}: cross-node p2p (option cross_node_transport='p2p')"
-            )
-        return out
-    steps: SetupSteps | None = None  # made on the first group that tries (a store client)
-    for k, (key, members) in enumerate(by_key.items()):
+def _probe_windows(
+    cands: list[_Candidate], options: TideOptions, decisions: list[str], install_seq: int
+) -> tuple[dict[tuple, window_setup.Probe], SetupSteps | None]:
+    """``window_setup.probe`` for every (process group, device) whose groups could use NCCL
+    windows or the one-sided phase 2 (collective over each such group, bounded)."""
+    probes: dict[tuple, window_setup.Probe] = {}
+    steps: SetupSteps | None = None
+    for k, (key, members) in enumerate(_by_key(cands).items()):
         c, layout = members[0], members[0].layout
         assert layout is not None
-        want_ag, want_rs, failure = _one_sided_wanted(members, options)
-        if not (want_ag or want_rs):
-            if choice == "nccl_one_sided":  # asked for, nothing to carry: say so
+        if options.cross_node_transport == "p2p" and layout.num_nodes > 1:
+            decisions.append(f"{c.fqn}: cross-node p2p (option cross_node_transport='p2p')")
+        wanted = any(topology.windows_wanted(options, m.layout, m.access) for m in members)
+        if not (wanted or _ring_wanted(members, options)):
+            if options.cross_node_transport == "nccl_one_sided":  # asked for, nothing to carry
                 decisions.append(
                     f"{c.fqn}: [tide] cross_node_transport = 'nccl_one_sided' unused (no "
-                    "TIDE-RS phase 2 here and TIDE-AG has several ranks per node)"
+                    "cross-node traffic of TIDE's here)"
                 )
             continue
-        sides: list[tuple[str, int]] = []
-        if want_ag:
-            entry = max(fsdp_internals.shard_bytes(m.pg, "param", align=16) for m in members)
-            sides.append(("TIDE-AG", ag_window_bytes(layout.num_nodes, entry)))
-        rs_shard_bytes = 4 * max(
+        shared = bool(topology.SHARED_GPU in c.access[1])
+        api, how = window_setup.api_for(c.device, c.backend, shared)
+        if api is None and how == window_setup.NOT_NCCL:  # alike on every rank of the group
+            probes[key] = window_setup.Probe(None, how)
+            continue
+        steps = steps or SetupSteps(install_seq, options.install_timeout_s)
+        peers = list(group_global_ranks(c.group))
+        scope = f"onesided{k}/{zlib.crc32(repr(peers).encode()):08x}"
+        probes[key] = window_setup.probe(steps, scope, c.group, c.device, api, how)
+    return probes, steps
+
+
+def _one_sided_refusal(members: list[_Candidate], options: TideOptions, why: str) -> None:
+    """Raise the named error of an explicit one-sided option that cannot run."""
+    c = members[0]
+    if options.transport == "nccl_windows" and any(m.kind == "windows" for m in members):
+        raise ValueError(
+            f"[tide] ag_transport = 'nccl_windows' cannot run for {c.fqn}: {why}; use 'auto'"
+        )
+    if options.cross_node_transport == "nccl_one_sided":
+        raise ValueError(
+            f"[tide] cross_node_transport = 'nccl_one_sided' cannot run for {c.fqn}: {why}; "
+            "use 'auto' (falls back to send/recv) or 'p2p'"
+        )
+
+
+def _connect_windows(
+    taken: list[_Candidate],
+    options: TideOptions,
+    probes: dict[tuple, window_setup.Probe],
+    steps: SetupSteps | None,
+    ctx: TideContext,
+    decisions: list[str],
+    fqns: dict[int, str],
+) -> tuple[dict[tuple, WindowTransport], dict[tuple, OneSidedCrossNode]]:
+    """The windows of every probed process group (``window_setup.connect``): TIDE-AG and
+    TIDE-RS phase 1 for its ``windows`` groups, the phase-2 ring where TIDE-RS crosses
+    nodes. Collective over each group, bounded. A failure (probe or set-up, on any rank)
+    under ``auto`` gives every group of the process group its fallback transport and
+    phase 2 send/recv, logged with the reason; under an explicit option it raises
+    ``ValueError`` naming it."""
+    windows: dict[tuple, WindowTransport] = {}
+    rings: dict[tuple, OneSidedCrossNode] = {}
+    tide_rs = options.reduce_scatter == "tide"
+    wire = options.rs_wire_dtype != "float32"
+    for k, (key, members) in enumerate(_by_key(taken).items()):
+        found = probes.get(key)
+        if found is None:
+            continue
+        c, layout = members[0], members[0].layout
+        assert layout is not None
+        users = [m for m in members if m.kind == "windows"]
+        ring_wanted = _ring_wanted(members, options)
+        reduce_numel = max(
             sum(fp._sharded_param_data.numel() for fp in m.pg.fsdp_params) for m in members
         )
-        if want_rs:
-            sides.append(("TIDE-RS phase 2",
-                          rs_window_bytes(layout.num_nodes, options.rs_inflight, rs_shard_bytes)))  # fmt: skip
-        made: list[nccl_rma.RmaComm] = []
-        found: dict[str, tuple] = {}
-        if c.device.type == "cuda" and failure is not _NOT_NCCL:
-            steps = steps or SetupSteps(install_seq, options.install_timeout_s)
+        why = found.reason
+        slots_bytes = ring_bytes = 0
+        wl = None
+        if why is None:
+            if users:
+                wl = window_layout(
+                    layout.num_nodes, layout.local_world_size,
+                    max(fsdp_internals.shard_bytes(m.pg, "param", align=16) for m in users),
+                    rs_staging_bytes(
+                        layout.local_world_size,
+                        [fsdp_internals.shard_bytes(m.pg, "param") for m in users],
+                        [fsdp_internals.shard_bytes(m.pg, "reduce") for m in users],
+                        options.rs_rows,
+                    ) if tide_rs else 0,
+                    options.slot_reuse,
+                )  # fmt: skip
+                slots_bytes = wl.total_bytes
+            if ring_wanted:
+                ring_bytes = rs_ring_bytes(options.rs_inflight, 4 * reduce_numel, wire)
             peers = list(group_global_ranks(c.group))
-            scope = f"onesided{k}/{zlib.crc32(repr(peers).encode()):08x}"
-            soft = _SoftSteps(steps, scope, peers, c.device)
-            # every rank's reason not to (a node with another NCCL, say) and rank 0's ids
-            ids, failure = _agree_to_try(soft, failure, c.group.rank() == 0, len(sides))
-        if failure is None:
-            for (side, nbytes), uid in zip(sides, ids):
-                pair, failure = _one_sided_side(soft, c, uid, nbytes, made)
-                if failure is not None:
-                    break
-                found[side] = pair
-        if failure is not None:
-            for comm in made:
-                comm.abort()
-            if choice == "nccl_one_sided":
-                raise ValueError(
-                    f"[tide] cross_node_transport = 'nccl_one_sided' cannot run for {c.fqn}: "
-                    f"{failure}; use 'auto' (falls back to send/recv) or 'p2p'"
-                )
-            decisions.append(f"{c.fqn}: cross-node p2p (auto: {failure})")
+            assert steps is not None
+            scope = f"windows{k}/{zlib.crc32(repr(peers).encode()):08x}"
+            slots_window, ring, why = window_setup.connect(
+                steps, scope, c.group, c.device, found, slots_bytes, ring_bytes
+            )
+        if why is not None:
+            found.abort()
+            if users or ring_wanted:
+                _one_sided_refusal(members, options, why)
+            for m in users:  # auto: what it takes without windows
+                m.kind, m.why = m.fallback, f"{m.fallback_why}; NCCL windows: {why}"
+            if users:
+                _build_plans(users, None, fqns, options.pacing)
+            if ring_wanted or layout.num_nodes > 1:
+                decisions.append(f"{c.fqn}: cross-node p2p (auto: {why})")
             continue
-        ctx.rma_comms.extend(made)
+        ctx.rma_comms.extend(found.made)
         name = c.group.group_name
-        result = out[key] = _OneSided()
-        if "TIDE-AG" in found:
-            result.ag = OneSidedAllGather(*found["TIDE-AG"], options.pacing, name)
-        if "TIDE-RS phase 2" in found:
-            result.rs = OneSidedCrossNode(*found["TIDE-RS phase 2"], layout.num_nodes,
-                                          options.rs_inflight, rs_shard_bytes, name)  # fmt: skip
-        windows = ", ".join(f"{side} window {pair[1].nbytes} B" for side, pair in found.items())
-        stays = "" if want_ag else (
-            f"; TIDE-AG across nodes stays send/recv ({layout.local_world_size} ranks per "
-            "node: its staging is no NCCL window)"
-        )  # fmt: skip
-        decisions.append(
-            f"{c.fqn}: cross-node nccl_one_sided ({'auto: ' if choice == 'auto' else ''}NCCL "
-            f"{nccl_rma.version_text(nccl_rma.nccl_version())} with host RMA; {windows}{stays})"
-        )
-    return out
+        if slots_window is not None:
+            slots = WindowSlots(found.slots_comm, slots_window, wl, name,
+                                tuple(group_global_ranks(c.group)))  # fmt: skip
+            windows[key] = WindowTransport(slots, options.pacing)
+        if ring is not None:
+            rings[key] = OneSidedCrossNode(
+                ring[0], ring[1], ring[2], layout, c.group.rank(), options.rs_inflight,
+                4 * reduce_numel, wire, name,
+            )  # fmt: skip
+        parts = ([f"window {slots_bytes} B (TIDE-AG, TIDE-RS rows)"] if slots_window else []) + (
+            [f"phase-2 ring {ring_bytes} B ({options.rs_inflight} regions)"] if ring else [])
+        if ring is not None or (slots_window is not None and layout.num_nodes > 1):
+            decisions.append(
+                f"{c.fqn}: cross-node nccl_one_sided ("
+                f"{'auto: ' if options.cross_node_transport == 'auto' else ''}"
+                f"{found.api.version()} with host RMA; {', '.join(parts)})"
+            )
+        elif slots_window is not None:
+            decisions.append(f"{c.fqn}: NCCL windows ({found.api.version()}; {', '.join(parts)})")
+    return windows, rings
 
 
 def _mark_groups(
@@ -566,7 +547,8 @@ def _mark_groups(
     options: TideOptions,
     ag_slots: dict,
     rs_slots: dict,
-    one_sided: dict[tuple, _OneSided],
+    windows: dict[tuple, WindowTransport],
+    rings: dict[tuple, OneSidedCrossNode],
     ctx: TideContext,
     decisions: list[str],
 ) -> None:
@@ -578,16 +560,16 @@ def _mark_groups(
     p2p_cross_by_key: dict[tuple[int, torch.device], P2PCrossNode] = {}
     for c in cands:
         key = (id(c.group), c.device)
-        sided = one_sided.get(key, _OneSided())
+        ring = rings.get(key)
         transport: AllGatherTransport
-        if key not in p2p_by_key and c.kind != "copy_engine":
+        if key not in p2p_by_key and c.kind == "p2p":
             p2p_by_key[key] = P2PTransport(
                 "nccl_p2p" if c.device.type == "cuda" else "gloo", c.device
             )
         if c.kind == "copy_engine":
             transport = CopyEngineTransport(ag_slots[key])
-        elif sided.ag is not None:
-            transport = sided.ag
+        elif c.kind == "windows":
+            transport = windows[key]
         else:
             transport = p2p_by_key[key]
         ag_comm = getattr(c.pg, "_all_gather_comm", None)
@@ -602,31 +584,33 @@ def _mark_groups(
             )
             decisions.append(f"{c.fqn}: reduce-scatter FSDP2 ({why})")
             continue
-        shared = c.kind == "copy_engine" and options.slot_reuse
+        shared = c.kind in ("copy_engine", "windows") and options.slot_reuse
         rs_transport: ReduceScatterTransport = (
             CopyEngineTransport(rs_slots[key]) if key in rs_slots
-            else p2p_by_key[key] if c.kind != "copy_engine"
+            else p2p_by_key[key] if c.kind == "p2p"
             else transport
         )  # fmt: skip
         buffers = buffers_by_key.setdefault(
             key, RSBuffers(options.rs_inflight, WIRE_DTYPES[options.rs_wire_dtype])
         )
-        if sided.rs is not None and not buffers.partials:
+        if ring is not None and not buffers.partials:
             # the partial ring lives in the registered window: puts read it in place
-            buffers.partials = sided.rs.send_slots(sided.rs.region_bytes // 4)
+            buffers.partials = ring.send_slots(ring.region_bytes // 4)
             buffers.partial_free = [None] * len(buffers.partials)
             buffers.partials_fixed = True
             if buffers.wire_dtype != torch.float32:  # partials rounded for the wire: put too
-                buffers.send = sided.rs.wire_slot(buffers.wire_dtype)
+                buffers.send = ring.wire_slot(buffers.wire_dtype)
         layout = c.plan.layout
-        cross_node: CrossNodeTransport | None = sided.rs
+        cross_node: CrossNodeTransport | None = ring
         if layout.num_nodes > 1 and cross_node is None:
             if key not in p2p_cross_by_key:
                 p2p_cross_by_key[key] = P2PCrossNode(c.device)
             cross_node = p2p_cross_by_key[key]
         # Several FSDP roots have one reduce-scatter stream each; staging shared by
-        # the groups of a process group is only safe on one stream: TIDE's.
-        on_tide_stream = shared or (multi_root and c.device.type == "cuda")
+        # the groups of a process group is only safe on one stream: TIDE's. The windows'
+        # rounds (all-gathers and TIDE-RS rounds) are one protocol: always TIDE's stream.
+        on_tide_stream = shared or c.kind == "windows" or (
+            multi_root and c.device.type == "cuda")  # fmt: skip
         fsdp_patch.mark(
             c.pg,
             ag_state,
@@ -649,7 +633,7 @@ def _mark_groups(
         cross = (
             "" if layout.num_nodes == 1
             else f"; cross-node nccl_one_sided, {options.rs_inflight} partials in flight, {wire}"
-            if sided.rs is not None
+            if ring is not None
             else f"; cross-node p2p over {str(dist.get_backend(c.group)).lower()}, "
             f"{options.rs_inflight} partials in flight, {wire}"
         )  # fmt: skip
@@ -660,6 +644,8 @@ def _mark_groups(
         )
         stream_note = (
             " (staging in the TIDE-AG slots: Slot-Reuse)" if shared
+            else " (on TIDE's stream: the window's rounds are one protocol)"
+            if c.kind == "windows"
             else " (several FSDP roots: on TIDE's stream)" if on_tide_stream else ""
         )  # fmt: skip
         decisions.append(
@@ -711,26 +697,48 @@ def install(model: nn.Module, options: TideOptions) -> None:
         infos = {gid: [item["info"] for item in items] for gid, items in gathered.items()}
         error = None
         try:
-            _decide(cands, options, infos)
+            _layouts(cands, options, infos)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             error = _error_text(e)
-        gathered = _agree(
-            groups, "planning", {"rank": me, "error": error, "kinds": [c.kind for c in cands]}
-        )
-        _settle_transports(cands, gathered)
-        # Local work that can fail alone (plans, symmetric buffers) before any rendezvous.
-        error, taken, pending = None, [], {}
+        _agree(groups, "layout", {"rank": me, "error": error})
+        # Whether NCCL windows can run, per process group (collective, bounded, soft).
+        error, probes, steps = None, {}, None
         try:
-            taken = _build_plans(cands, decisions, fsdp_internals.param_fqns(model), options.pacing)
+            probes, steps = _probe_windows(cands, options, decisions, install_seq)
+            _choose(cands, options, probes)
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            error = _error_text(e)
+        try:
+            gathered = _agree(
+                groups, "planning", {"rank": me, "error": error, "kinds": [c.kind for c in cands]}
+            )
+        except TideInstallError:
+            for found in probes.values():
+                found.abort()
+            raise
+        _settle_transports(cands, gathered)
+        # Windows (collective, soft: a failure falls back under auto), then the local work
+        # that can fail alone (plans, symmetric buffers) before any rendezvous.
+        error, taken, pending, windows, rings = None, [], {}, {}, {}
+        fqns = fsdp_internals.param_fqns(model)
+        try:
+            taken = _build_plans(cands, decisions, fqns, options.pacing)
+            windows, rings = _connect_windows(taken, options, probes, steps, ctx, decisions, fqns)
+            _log_transports(taken, decisions)
             pending = _allocate_slots(taken, options)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             error = _error_text(e)
-        _agree(groups, "allocation", {"rank": me, "error": error})
+            for found in probes.values():
+                found.abort()
+        try:
+            _agree(groups, "allocation", {"rank": me, "error": error})
+        except TideInstallError:
+            _drop(ctx)
+            raise
         error = None
         try:
             ag_slots, rs_slots = _connect_slots(pending, options, ctx, decisions, install_seq)
-            one_sided = _connect_one_sided(taken, options, ctx, decisions, install_seq)
-            _mark_groups(taken, options, ag_slots, rs_slots, one_sided, ctx, decisions)
+            _mark_groups(taken, options, ag_slots, rs_slots, windows, rings, ctx, decisions)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             error = _error_text(e)
         try:
@@ -806,7 +814,8 @@ def uninstall(model: nn.Module) -> None:
         slots.handle.barrier(channel=0)  # every local peer got here too
         torch.cuda.synchronize(device)
     for comm in ctx.rma_comms:  # every put into or from this rank's windows is done
-        torch.cuda.synchronize(comm.device)
+        if comm.device.type == "cuda":
+            torch.cuda.synchronize(comm.device)
     _drop(ctx, abort_rma=False)
     if ctx.forward_hook is not None:
         ctx.forward_hook.remove()

@@ -51,6 +51,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .plan import WorldLayout
+from .window_rounds import ring_layout, window_layout
 
 __all__ = [
     "FORMULAS",
@@ -62,6 +63,7 @@ __all__ = [
     "group_shard_numel",
     "padded_shard_numel",
     "plan_memory",
+    "rs_staging_bytes",
     "slot_alloc_bytes",
     "slot_sizes",
 ]
@@ -90,8 +92,9 @@ FORMULAS: dict[str, dict[str, str]] = {
             "copy engine: Slot-Reuse 2*slot(max(N*A, R*S_max*b_grad)) - AG slots, else "
             "2*slot(R*S_max*b_grad); p2p (L = 1): R*S_max*b_grad; R = min(L, rs_rows); "
             "+ (N > 1) (K+1)*S_max*4 fp32 partial ring and receive buffer, K = rs_inflight; "
-            "one-sided cross-node transport instead: (K+2N)*round256(S_max*4) window, and "
-            "for L = 1 a TIDE-AG window 2*N*A"
+            "one-sided cross-node transport instead (N > 1): one NCCL window of 2*N*A rail "
+            "entries + 2*max((L-1)*N*A, R*S_max*b_grad) local entries / rows (Slot-Reuse) + "
+            "R*S_max*b_grad send rows, and a phase-2 ring of 2K*round256(S_max*4)"
         ),
         "gradients": "sum_g S_g*b_red",
         "params_optimizer": "sum_g S_g*b_master*3",
@@ -240,15 +243,25 @@ def slot_sizes(
     ``R = min(L, rs_rows)``: R rows of gradients, and at least one row of the gradients
     FSDP accumulated in the reduce dtype over steps without sync."""
     ag = num_nodes * max(packed_shard_bytes, default=0)
-    rows = min(rs_rows, local_world_size)
-    rs = max(
-        (max(rows * g, r) for g, r in zip(grad_shard_bytes, reduce_shard_bytes)), default=0
-    )
+    rs = rs_staging_bytes(local_world_size, grad_shard_bytes, reduce_shard_bytes, rs_rows)
     if not tide_rs:
         return SlotSizes(ag, 0)
     if slot_reuse:
         return SlotSizes(max(ag, rs), 0)
     return SlotSizes(ag, rs)
+
+
+def rs_staging_bytes(
+    local_world_size: int, grad_shard_bytes: Sequence[int], reduce_shard_bytes: Sequence[int],
+    rs_rows: int,
+) -> int:  # fmt: skip
+    """TIDE-RS staging of one round (copy-engine slot, NCCL window rows): ``R = min(L,
+    rs_rows)`` rows of the largest group's gradients, and at least one row of the gradients
+    FSDP accumulated in the reduce dtype over steps without sync."""
+    rows = min(rs_rows, local_world_size)
+    return max(
+        (max(rows * g, r) for g, r in zip(grad_shard_bytes, reduce_shard_bytes)), default=0
+    )
 
 
 def slot_alloc_bytes(nbytes: int) -> int:
@@ -279,8 +292,9 @@ def plan_memory(
         slot_reuse: TIDE-RS stages gradients in the AG slots (only with the copy engine).
         cross_node: TIDE's cross-node transport, ``"p2p"`` (send/recv) or ``"one_sided"``
             (NCCL windows, ``[tide] cross_node_transport``: what ``auto`` takes where
-            NCCL has host RMA): ``(K + 2N) x round256(S_max x 4)`` for TIDE-RS phase 2
-            and, with one rank per node, ``2N x A`` for TIDE-AG, persistent.
+            NCCL has host RMA): more than one node then runs TIDE-AG and TIDE-RS's rows in
+            one window (``window_rounds.window_layout``) and TIDE-RS phase 2 in a ring of
+            ``2K x round256(S_max x 4)``, persistent, whatever the node count.
 
     Raises:
         ValueError: naming the argument that is out of range.
@@ -378,9 +392,8 @@ def _tide_buffers(
     cross_node: str = "p2p",
 ) -> _TideBuffers:
     """TIDE-AG slots and TIDE-RS buffers as ``install.install`` sizes them
-    (the copy-engine slots through the same :func:`slot_sizes`; the one-sided windows
-    through ``transport.one_sided``'s :func:`ag_window_bytes` / :func:`rs_window_bytes`
-    rule, repeated here torch-free)."""
+    (the copy-engine slots through the same :func:`slot_sizes`; the NCCL windows through
+    ``window_rounds.window_layout`` and ``ring_layout``, the rules ``install`` uses)."""
     world, local, nodes = layout.world_size, layout.local_world_size, layout.num_nodes
     shard = [group_shard_numel(g, world) for g in groups]
     shard_max = max(shard)
@@ -416,15 +429,21 @@ def _tide_buffers(
             f"RS: point-to-point staging of {rows} row(s)",
         ]
     one_sided = cross_node == "one_sided" and nodes > 1
-    if one_sided:
-        cross = (rs_inflight + 2 * nodes) * _round_up(shard_max * 4, 256)
-        notes.append(
-            f"RS: one-sided window of {rs_inflight} send slots + 2 x {nodes} receive regions"
-        )
-        if local == 1:  # TIDE-AG's window: 2 halves x N packed entries
-            entry = max(aligned_group_bytes(g, world, dtypes.param_bytes) for g in groups)
-            ag_slots += 2 * nodes * entry
-            notes.append(f"AG: one-sided window of 2 x {nodes} packed shards")
+    if one_sided:  # NCCL windows: one window for TIDE-AG and TIDE-RS's rows, a phase-2 ring
+        entry = max(aligned_group_bytes(g, world, dtypes.param_bytes) for g in groups)
+        rs_area = rs_staging_bytes(local, [s * dtypes.grad for s in shard],
+                                   [s * dtypes.reduce_bytes for s in shard], rs_rows)  # fmt: skip
+        ag_slots = window_layout(nodes, local, entry, 0, slot_reuse).total_bytes
+        rs_staging = window_layout(nodes, local, entry, rs_area, slot_reuse).total_bytes - ag_slots
+        cross = ring_layout(rs_inflight, shard_max * 4, wire=False).total_bytes
+        notes = [
+            f"AG: one NCCL window, 2 x {nodes} rail entries"
+            + (f" + 2 x {(local - 1) * nodes} local entries" if local > 1 else ""),
+            f"RS: {rows} staging row(s) + send rows in the window"
+            + (" (Slot-Reuse over the local entries)" if slot_reuse and local > 1 else ""),
+            (f"RS: one-sided ring of {rs_inflight} send + {rs_inflight} receive regions "
+             "(constant in the node count)"),
+        ]
     else:
         cross = (rs_inflight + 1) * shard_max * 4 if nodes > 1 else 0
         if cross:

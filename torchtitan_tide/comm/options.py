@@ -18,7 +18,7 @@ __all__ = [
     "option_label", "toml_key", "validate_options",
 ]  # fmt: skip
 
-TRANSPORTS = ("auto", "copy_engine", "nccl_p2p", "gloo")
+TRANSPORTS = ("auto", "nccl_windows", "copy_engine", "nccl_p2p", "gloo")
 CROSS_NODE_TRANSPORTS = ("auto", "p2p", "nccl_one_sided")
 REDUCE_SCATTERS = ("tide", "fsdp2")
 SLOT_BARRIERS = ("copy_engine", "kernel")
@@ -50,11 +50,19 @@ class TideOptions:
     """Options of the TIDE all-gather (AG) and reduce-scatter (RS).
 
     transport:
-        ``"auto"``: the copy engine (peers pull from symmetric memory with one
-        ``cudaMemcpyBatchAsync``) when all ranks of the group are on one node,
-        CUDA is used and every peer is P2P-reachable; point-to-point
-        send/recv (NCCL on GPU, gloo on CPU) otherwise.
-        ``"copy_engine"``: force the copy engine (CUDA, one node only).
+        ``"auto"``: NCCL windows (``"nccl_windows"``) for groups across nodes (unless
+        ``cross_node_transport = "p2p"``) and for local peers that torch's symmetric memory
+        cannot join (ranks sharing a GPU, no CUDA P2P), where the loaded NCCL (>= 2.29;
+        >= 2.30 for ranks sharing a GPU) reports host RMA between every pair of the group's
+        ranks; the copy engine (``"copy_engine"``) for one node of ranks on their own GPUs
+        with CUDA P2P; point-to-point send/recv otherwise. What ``auto`` took, and why, is
+        logged per group; a failed window set-up falls back to what it would take without.
+        ``"nccl_windows"``: TIDE-AG and TIDE-RS's node-local rounds as one-sided puts into
+        ONE registered NCCL window per process group (copy engine in the node, NCCL's RMA
+        proxy across nodes: no SM kernel; docs/2026-12-04-windows.md); a named error where
+        it cannot run.
+        ``"copy_engine"``: force the copy engine (peers pull from torch's symmetric memory
+        with one ``cudaMemcpyBatchAsync``; its cross-node phase is send/recv).
         ``"nccl_p2p"`` / ``"gloo"``: force point-to-point send/recv through the
         group's backend; both names select the same code, the name only
         documents the expected backend and is checked against it.
@@ -74,15 +82,13 @@ class TideOptions:
         the number of outstanding send/recv operations (and NCCL p2p
         channels/fifo slots) per step; it does not affect the copy engine.
     cross_node_transport:
-        What moves TIDE's cross-node traffic (TIDE-AG of groups with one rank per node,
-        TIDE-RS phase 2). ``"auto"``: NCCL's one-sided puts (``ncclPutSignal`` into
-        registered windows: no send/recv kernel; copy engine within a node's reach,
-        NCCL's RMA proxy over IB/RoCE) where the loaded NCCL is >= 2.29 and reports host
-        RMA between every pair of the group's ranks; else point-to-point send/recv, with
-        the reason logged. ``"p2p"``: always send/recv. ``"nccl_one_sided"``: the one-sided
-        path or a named error at ``comm.apply``. Groups with several ranks per node keep
-        send/recv for their cross-node all-gather (their copy-engine slots are not NCCL
-        windows); their TIDE-RS phase 2 goes one-sided. Docs: docs/2026-12-02-one-sided.md.
+        What moves TIDE's cross-node traffic (TIDE-AG across nodes, TIDE-RS phase 2).
+        ``"auto"``: NCCL's one-sided puts (no send/recv kernel: TIDE-AG through the group's
+        window, TIDE-RS phase 2 through a ring of ``rs_inflight`` regions) where the loaded
+        NCCL is >= 2.29 and reports host RMA between every pair of the group's ranks; else
+        point-to-point send/recv, with the reason logged. ``"p2p"``: always send/recv.
+        ``"nccl_one_sided"``: the one-sided path or a named error at ``comm.apply``.
+        Docs: docs/2026-12-04-windows.md.
     reduce_scatter:
         ``"tide"``: TIDE-RS (bf16 gradients read where autograd left them,
         reduced into fp32 shards; node-local phase on the AG transport, then
@@ -99,7 +105,9 @@ class TideOptions:
     rs_inflight:
         Cross-node phase: fp32 partials that may wait for the network at once
         (a ring of buffers). The node-local phase of the next chunk or group
-        waits only when all of them are still in flight.
+        waits only when all of them are still in flight. Over one-sided puts it is also
+        the number of receive regions per rank (credits bound the senders): phase 2's
+        window holds ``2 * rs_inflight`` regions whatever the node count.
     rs_wire_dtype:
         Cross-node phase: the dtype of the partials on the wire. ``"float32"``:
         the fp32 partials as they are. ``"bfloat16"``: each node's fp32 partial
@@ -109,7 +117,7 @@ class TideOptions:
         (docs/2026-12-02-rs-wire.md). fp32 gradients are rounded too. The
         node-local phase is unchanged (it moves the gradients in their dtype).
     slot_reuse:
-        Copy engine only: TIDE-RS stages gradients in the same symmetric slots
+        Copy engine and NCCL windows: TIDE-RS stages gradients in the same slots
         as TIDE-AG (one buffer, one protocol on one stream) instead of a
         buffer of its own.
     slot_barrier:

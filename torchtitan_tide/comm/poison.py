@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["poisoned", "set_poison"]
+__all__ = ["poison_value", "poisoned", "set_poison"]
 
 _poison: dict[str, float | None] = {"value": None}
 
@@ -27,3 +27,8 @@ def poisoned(t: torch.Tensor) -> torch.Tensor:
     if _poison["value"] is not None:
         t.fill_(_poison["value"])
     return t
+
+
+def poison_value() -> float | None:
+    """The poison value set by a test, or None (off)."""
+    return _poison["value"]

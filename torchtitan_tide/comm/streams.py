@@ -3,8 +3,10 @@
 - ``"tide"`` (priority -1, like FSDP's comm streams): TIDE-AG, and TIDE-RS phase 1
   when it stages in the TIDE-AG slots (one slot protocol, one stream).
 - ``"tide_rs_cross"`` (-1): TIDE-RS phase 2 (cross-node point-to-point).
-- ``"tide_one_sided"`` / ``"tide_one_sided_rs"`` (-1): the NCCL one-sided puts and
-  signal waits of TIDE-AG / TIDE-RS phase 2 (``transport.one_sided``), nothing else.
+- ``"tide_one_sided"`` / ``"tide_one_sided_rs"`` (-1): the NCCL one-sided puts, signals
+  and waits of the windows' rounds (``transport.windows``) / TIDE-RS phase 2
+  (``transport.one_sided``), nothing else.
+- ``"tide_place"`` (-1): the windows' placement copies and their waits on local peers.
 - ``"tide_rs_accumulate"`` (0, the compute stream's priority): TIDE-RS phase 1
   kernels, so the block scheduler does not put them ahead of the compute
   stream's GEMM CTAs.
@@ -26,6 +28,7 @@ __all__ = ["empty_on", "run_beside", "stream"]
 
 _PRIORITIES = {
     "tide": -1, "tide_rs_cross": -1, "tide_one_sided": -1, "tide_one_sided_rs": -1,
+    "tide_place": -1,
     "tide_rs_accumulate": 0, "symm_mem_side": 0,
 }  # fmt: skip
 _streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}

@@ -44,10 +44,13 @@ __all__ = [
     "node_keys",
     "node_local_group_ranks",
     "resolve_local_world_size",
+    "shares_device",
+    "windows_wanted",
 ]
 
 logger = logging.getLogger(__name__)
 
+SHARED_GPU = "run on this rank's GPU"  # local_peer_access's words for a shared device
 # Backends whose process groups implement isend/irecv/batch_isend_irecv.
 _P2P_BACKENDS = ("nccl", "gloo", "mpi", "xccl")
 
@@ -121,12 +124,25 @@ def node_local_group_ranks(layout: WorldLayout) -> list[list[int]]:
     return [list(layout.node_ranks(node)) for node in range(layout.num_nodes)]
 
 
+def shares_device(infos: list[RankInfo], layout: WorldLayout, rank: int) -> list[int]:
+    """Group ranks of this rank's node that run on this rank's GPU (other than itself)."""
+    me = infos[rank]
+    if not me.device_uuid:
+        return []
+    return [r for r in layout.node_ranks(layout.node_of(rank))
+            if r != rank and infos[r].device_uuid == me.device_uuid]  # fmt: skip
+
+
 def local_peer_access(infos: list[RankInfo], layout: WorldLayout, rank: int) -> tuple[bool, str]:
     """Whether this rank's GPU can reach, by CUDA P2P, the GPU of every OTHER rank of
-    its node in this group (looked up by UUID among the GPUs visible here)."""
+    its node in this group (looked up by UUID among the GPUs visible here), each on a GPU
+    of its own (torch's symmetric memory refuses two ranks of one device)."""
     me = infos[rank]
     if not me.device_uuid:
         return False, "not CUDA"
+    if shared := shares_device(infos, layout, rank):
+        return False, (f"group ranks {shared} {SHARED_GPU} (torch's symmetric memory refuses "
+                       "two ranks of one device)")  # fmt: skip
     visible = {
         str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())
     }
@@ -140,8 +156,7 @@ def local_peer_access(infos: list[RankInfo], layout: WorldLayout, rank: int) -> 
         )
     blocked = [
         r for r in peers
-        if visible[infos[r].device_uuid] != my_index
-        and not torch.cuda.can_device_access_peer(my_index, visible[infos[r].device_uuid])
+        if not torch.cuda.can_device_access_peer(my_index, visible[infos[r].device_uuid])
     ]  # fmt: skip
     if blocked:
         return False, f"no CUDA P2P access to the GPUs of group ranks {blocked}"
@@ -154,18 +169,70 @@ def backend_has_p2p(backend: str) -> bool:
     return any(name in backend.lower() for name in _P2P_BACKENDS)
 
 
+def windows_wanted(options: TideOptions, layout: WorldLayout, peer_access: tuple[bool, str]) -> bool:
+    """Whether :func:`choose_transport` takes NCCL windows where they can run: forced, or
+    under ``auto`` across nodes (unless ``cross_node_transport = "p2p"``) and between local
+    peers that torch's symmetric memory cannot join (a shared GPU, no CUDA P2P)."""
+    if options.transport == "nccl_windows":
+        return True
+    if options.transport != "auto":
+        return False
+    if layout.num_nodes > 1:
+        return options.cross_node_transport != "p2p"
+    return layout.local_world_size > 1 and not peer_access[0]
+
+
 def choose_transport(
     options: TideOptions,
     layout: WorldLayout,
     device: torch.device,
     backend: str,
     peer_access: tuple[bool, str],
-) -> tuple[str | None, str]:
-    """``(transport kind "copy_engine" | "p2p" | None, reason)``; None: no TIDE
-    transport can run on this group (FSDP2's path). Raises ``ValueError`` for a
-    forced transport that cannot work here. ``peer_access``: this rank's
-    :func:`local_peer_access`."""
+    windows: tuple[bool, str] = (False, "not probed"),
+) -> tuple[str | None, str, str | None]:
+    """``(transport kind "windows" | "copy_engine" | "p2p" | None, reason, fallback)``;
+    None: no TIDE transport can run on this group (FSDP2's path); ``fallback``: the kind
+    ``auto`` takes if the windows' set-up fails (None: not windows, or forced). Raises
+    ``ValueError`` for a forced transport that cannot work here. ``peer_access``: this
+    rank's :func:`local_peer_access`; ``windows``: whether every rank of the group can use
+    NCCL windows (``window_setup.probe``), and why (not)."""
     backend = backend.lower()
+    forced = options.transport
+    shape = layout.shape
+    if forced == "nccl_windows":
+        if not windows[0]:
+            raise ValueError(
+                f"tide option transport='nccl_windows' ([tide] ag_transport) cannot run here: "
+                f"{windows[1]}; use 'auto'"
+            )
+        if layout.num_nodes > 1 and options.cross_node_transport == "p2p":
+            raise ValueError(
+                "[tide] ag_transport = 'nccl_windows' moves the cross-node all-gather by "
+                "one-sided puts, but [tide] cross_node_transport = 'p2p' asks for send/recv; "
+                "set one of them to 'auto'"
+            )
+        return "windows", f"forced by option transport='nccl_windows' ({windows[1]})", None
+    kind, why = _without_windows(options, layout, device, backend, peer_access)
+    if forced != "auto" or not windows_wanted(options, layout, peer_access):
+        return kind, why, None
+    if not windows[0]:
+        return kind, why + (f" (NCCL windows: {windows[1]})" if windows[1] else ""), None
+    if layout.num_nodes > 1:
+        detail = ("one-sided puts across nodes" + (", copy-engine puts in the node"
+                  if layout.local_world_size > 1 else ""))  # fmt: skip
+    else:
+        detail = f"copy-engine puts between local peers ({peer_access[1]})"
+    return "windows", f"auto: {shape}: NCCL windows, {detail} ({windows[1]})", kind
+
+
+def _without_windows(
+    options: TideOptions,
+    layout: WorldLayout,
+    device: torch.device,
+    backend: str,
+    peer_access: tuple[bool, str],
+) -> tuple[str | None, str]:
+    """The transport of a group without NCCL windows (:func:`choose_transport`)."""
     p2p_ok = backend_has_p2p(backend)
     forced = options.transport
     if forced == "copy_engine":
@@ -174,6 +241,11 @@ def choose_transport(
                 f"tide option transport='copy_engine' ([tide] ag_transport) needs CUDA "
                 f"parameters (and an NCCL group across nodes) (device={device.type}, "
                 f"backend={backend}); use 'auto', or 'gloo' on CPU"
+            )
+        if SHARED_GPU in peer_access[1]:
+            raise ValueError(
+                f"tide option transport='copy_engine' ([tide] ag_transport) cannot run here: "
+                f"{peer_access[1]}; use 'auto' or 'nccl_windows'"
             )
         return "copy_engine", "forced by option transport='copy_engine'"
     if forced in ("nccl_p2p", "gloo"):

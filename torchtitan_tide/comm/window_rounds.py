@@ -49,8 +49,23 @@ from dataclasses import dataclass
 from .plan import GroupPlan, PackedEntry, RSRound, RSSlice, WorldLayout
 
 __all__ = [
-    "Accumulate", "Fork", "Op", "PackOwn", "PackSlices", "Place", "Put", "Signal", "Wait",
-    "WindowLayout", "ag_round_ops", "entry_runs", "paced_pieces", "rs_round_ops",
+    "Accumulate",
+    "Fork",
+    "Op",
+    "PackOwn",
+    "PackSlices",
+    "Place",
+    "Put",
+    "RingLayout",
+    "Signal",
+    "Wait",
+    "WindowLayout",
+    "ag_round_ops",
+    "entry_runs",
+    "paced_pieces",
+    "ring_layout",
+    "ring_step_ops",
+    "rs_round_ops",
     "window_layout",
 ]  # fmt: skip
 
@@ -65,15 +80,15 @@ def _align(nbytes: int) -> int:
 @dataclass(frozen=True)
 class WindowLayout:
     """Byte offsets of one rank's window (module docstring). ``entry_bytes``: the largest
-    group's packed entry; ``rs_row_bytes``: the largest reduce shard x gradient itemsize;
-    ``rows``: TIDE-RS rows per round; ``rs_shares_ag``: Slot-Reuse (RS rows over the
-    all-gather part of the local area)."""
+    group's packed entry; ``rs_area_bytes``: TIDE-RS rows of one round (the rows of the
+    largest reduce, or one row of gradients FSDP accumulated in fp32), also the size of
+    the send area; ``rs_shares_ag``: Slot-Reuse (RS rows over the all-gather part of the
+    local area)."""
 
     num_nodes: int
     local_world_size: int
     entry_bytes: int
-    rs_row_bytes: int
-    rows: int
+    rs_area_bytes: int
     rs_shares_ag: bool
     rail_base: int
     rail_half_bytes: int
@@ -108,26 +123,24 @@ class WindowLayout:
 
 
 def window_layout(
-    num_nodes: int, local_world_size: int, entry_bytes: int, rs_row_bytes: int, rows: int,
+    num_nodes: int, local_world_size: int, entry_bytes: int, rs_area_bytes: int,
     slot_reuse: bool = True,
 ) -> WindowLayout:  # fmt: skip
-    """The window of a process group laid out ``num_nodes x local_world_size`` (rows: TIDE-RS
-    rows per round, at most ``local_world_size``; ``rs_row_bytes`` 0: no TIDE-RS)."""
+    """The window of a process group laid out ``num_nodes x local_world_size``
+    (``rs_area_bytes`` 0: no TIDE-RS; ``memory_plan.rs_staging_bytes`` sizes it)."""
     if num_nodes < 1 or local_world_size < 1:
         raise ValueError(f"layout {num_nodes} x {local_world_size}")
-    rows = min(max(rows, 1), local_world_size) if rs_row_bytes else 0
     rail_half = _align(num_nodes * entry_bytes)
     ag_local = (local_world_size - 1) * num_nodes * entry_bytes
-    rs_local = rows * rs_row_bytes
     if slot_reuse:
-        local_half, rs_offset = _align(max(ag_local, rs_local)), 0
+        local_half, rs_offset = _align(max(ag_local, rs_area_bytes)), 0
     else:
-        local_half, rs_offset = _align(_align(ag_local) + rs_local), _align(ag_local)
+        local_half, rs_offset = _align(_align(ag_local) + rs_area_bytes), _align(ag_local)
     local_base = 2 * rail_half
     send_base = local_base + 2 * local_half
-    total = _align(send_base + rows * rs_row_bytes)
+    total = _align(send_base + rs_area_bytes)
     return WindowLayout(
-        num_nodes, local_world_size, entry_bytes, rs_row_bytes, rows, slot_reuse,
+        num_nodes, local_world_size, entry_bytes, rs_area_bytes, slot_reuse,
         0, rail_half, local_base, local_half, rs_offset, send_base, total,
     )  # fmt: skip
 
@@ -170,6 +183,7 @@ class Put:
     peer: int
     dst: int
     tags: tuple[tuple, ...]
+    comm: str = "slots"
 
 
 @dataclass(frozen=True)
@@ -178,15 +192,18 @@ class Signal:
 
     stream: str
     peer: int
+    comm: str = "slots"
 
 
 @dataclass(frozen=True)
 class Wait:
-    """The stream waits for ``count`` more signals from ``peer``."""
+    """The stream waits for ``count`` more signals from ``peer`` (on communicator
+    ``comm``: each communicator counts its own signals)."""
 
     stream: str
     peer: int
     count: int
+    comm: str = "slots"
 
 
 @dataclass(frozen=True)
@@ -344,10 +361,10 @@ def rs_round_ops(
     node, local, lws = layout.node_of(rank), layout.local_of(rank), layout.local_world_size
     half = round_index % 2
     row_bytes = row_numel * itemsize
-    if row_bytes > wl.rs_row_bytes or len(rnd.recvs) > wl.rows:
+    if max(len(rnd.recvs), len(rnd.sends)) * row_bytes > wl.rs_area_bytes:
         raise AssertionError(
             f"TIDE-RS round of {len(rnd.recvs)} x {row_bytes} B > the window's "
-            f"{wl.rows} x {wl.rs_row_bytes} B rows"
+            f"{wl.rs_area_bytes} B of rows"
         )
     send_index = {peer: i for i, (peer, _) in enumerate(p for p in rnd.sends if p[0] != local)}
     row_of = dict(rnd.sends)
@@ -384,4 +401,89 @@ def rs_round_ops(
         recv_tags[row] = tag(peer, local)
     ops.append(Accumulate(MAIN, wl.rs_row(half, 0, row_bytes), len(rnd.recvs), row_bytes,
                           tuple(recv_tags)))  # fmt: skip
+    return ops
+
+
+# ---------------------------------------------------------------- TIDE-RS phase 2
+#
+# The cross-node partials (reduce_scatter: one per other node's chunk) over puts into a
+# ring of ``slots`` receive regions that does not grow with the node count. Every rank runs
+# the same steps in the same order (each reduce with a cross-node phase: steps 1 .. N - 1),
+# so step ``g`` (counted over the whole run) lands in region ``g % slots`` of its receiver.
+# A sender reuses a region only after the receiver says it summed what it held: after the
+# sum of step ``g`` the receiver signals the rank that will put into that region at step
+# ``g + slots`` (its sender then). Those credits travel on a communicator of their own
+# (``comm = "credit"``), so each communicator's signals from a peer are of one kind and
+# waited in the order they were sent. Window of phase 2: ``slots`` send regions (the fp32
+# partial ring of ``reduce_scatter.RSBuffers``), ``slots`` receive regions, and one wire
+# region where partials are rounded to a narrower wire dtype.
+
+
+@dataclass(frozen=True)
+class RingLayout:
+    """Phase 2's window: ``slots`` send regions, ``slots`` receive regions, ``wire`` (0 or 1)
+    wire region, each ``region_bytes`` (256-byte aligned)."""
+
+    slots: int
+    region_bytes: int
+    wire: int
+
+    def send(self, k: int) -> int:
+        return k * self.region_bytes
+
+    def recv(self, k: int) -> int:
+        return (self.slots + k) * self.region_bytes
+
+    @property
+    def wire_start(self) -> int:
+        if not self.wire:
+            raise ValueError("this ring has no wire region (the wire dtype is fp32)")
+        return 2 * self.slots * self.region_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return (2 * self.slots + self.wire) * self.region_bytes
+
+
+def ring_layout(slots: int, shard_bytes: int, wire: bool) -> RingLayout:
+    """The phase-2 window for partials of at most ``shard_bytes`` (fp32)."""
+    if slots < 1:
+        raise ValueError(f"a ring needs at least one slot, got {slots}")
+    return RingLayout(slots, _align(max(shard_bytes, 1)), int(wire))
+
+
+def ring_step_ops(
+    rl: RingLayout, layout: WorldLayout, rank: int, step_index: int, src: int, nbytes: int,
+) -> list[Op]:  # fmt: skip
+    """Phase-2 step ``step_index`` (counted over the run) of ``rank`` as ops on the ``put``
+    stream: wait for the receiver's credit (from the second lap of the ring on), put the
+    ``nbytes`` partial at own byte ``src`` into the receiver's region, wait for this rank's
+    partial, sum it (``Accumulate`` of one row), credit the rank that puts into that region
+    next (``slots`` steps later)."""
+    num_nodes = layout.num_nodes
+    if num_nodes < 2:
+        raise ValueError("phase 2 needs more than one node")
+    steps = num_nodes - 1
+    node, local = layout.node_of(rank), layout.local_of(rank)
+
+    def offset(g: int) -> int:
+        return g % steps + 1
+
+    s = offset(step_index)
+    send_peer = layout.rank_of((node + s) % num_nodes, local)
+    recv_peer = layout.rank_of((node - s) % num_nodes, local)
+    later = step_index + rl.slots
+    next_sender = layout.rank_of((node - offset(later)) % num_nodes, local)
+    region = step_index % rl.slots
+    if nbytes > rl.region_bytes:
+        raise AssertionError(f"partial of {nbytes} B > region of {rl.region_bytes} B")
+    ops: list[Op] = []
+    if step_index >= rl.slots:
+        ops.append(Wait(PUT, send_peer, 1, comm="credit"))
+    ops += [
+        Put(PUT, src, nbytes, send_peer, rl.recv(region), (("p2", step_index, rank),), "data"),
+        Wait(PUT, recv_peer, 1, comm="data"),
+        Accumulate(PUT, rl.recv(region), 1, nbytes, (("p2", step_index, recv_peer),)),
+        Signal(PUT, next_sender, comm="credit"),
+    ]
     return ops

@@ -14,8 +14,10 @@ Contract:
 - :class:`RmaComm` is a communicator of TIDE's own (``ncclCommInitRank[Config]`` over a
   unique id the caller distributed), beside torch's process groups. Windows are
   ``ncclMemAlloc`` buffers registered with ``ncclCommWindowRegister`` (collective, equal
-  size on every rank). :class:`RmaWindow` owns its memory; ``tensor`` is a ``uint8`` view
-  of it (no copy) that must not outlive the window.
+  size on every rank), allocated as a local step of its own (:meth:`RmaComm.allocate`:
+  one rank's out-of-memory is an outcome to exchange before anyone enters the collective
+  registration). :class:`RmaWindow` owns its memory; ``tensor`` is a ``uint8`` view of it
+  (no copy) that must not outlive the window.
 - Signals: NCCL up to 2.30 accepts only signal index 0 and context 0, so every signal of
   one communicator from one peer lands on one counter, and ``wait_signal(peer, count)``
   waits for ``count`` more of them. A communicator must therefore carry ONE stream-ordered
@@ -39,6 +41,7 @@ __all__ = [
     "MIN_VERSION",
     "NcclError",
     "RmaComm",
+    "RmaMemory",
     "RmaWindow",
     "library_path",
     "multi_rank_gpu_missing_reason",
@@ -300,6 +303,14 @@ class _CudaArray:
 
 
 @dataclass
+class RmaMemory:
+    """``nbytes`` of ``ncclMemAlloc`` memory at ``ptr``, not registered yet."""
+
+    ptr: int
+    nbytes: int
+
+
+@dataclass
 class RmaWindow:
     """A registered window: ``nbytes`` of ``ncclMemAlloc`` memory on ``device``. ``tensor``
     (``uint8``) views it; the comm that registered it frees it in :meth:`RmaComm.destroy`."""
@@ -358,32 +369,47 @@ class RmaComm:
                "ncclCommQueryProperties", self.comm)  # fmt: skip
         return bool(props.hostRmaSupport)
 
-    def register(self, nbytes: int) -> RmaWindow:
-        """Allocate ``nbytes`` (rounded up to 4 KiB) with ``ncclMemAlloc`` and register
-        it as a symmetric window. Collective: every rank, same ``nbytes``, same order.
-        Raises :class:`NcclError` when NCCL returns a NULL window (it does so, with
-        success, where the communicator has no host RMA)."""
+    def allocate(self, nbytes: int) -> RmaMemory:
+        """``nbytes`` (rounded up to 4 KiB) of ``ncclMemAlloc`` memory on this comm's device.
+        Local: it may fail on one rank alone (out of memory), so callers exchange its outcome
+        before the collective :meth:`register`; :meth:`free` releases it unregistered."""
         lib = _library()
         nbytes = max(WINDOW_ALIGNMENT, -(-nbytes // WINDOW_ALIGNMENT) * WINDOW_ALIGNMENT)
         ptr = ctypes.c_void_p()
         with torch.cuda.device(self.device):
-            _check(lib.ncclMemAlloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes)), "ncclMemAlloc")
-            handle = ctypes.c_void_p()
+            _check(lib.ncclMemAlloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes)),
+                   f"ncclMemAlloc({nbytes} B)")  # fmt: skip
+        return RmaMemory(ptr.value, nbytes)
+
+    def free(self, memory: RmaMemory) -> None:
+        """Free memory from :meth:`allocate` that was not registered."""
+        _library().ncclMemFree(ctypes.c_void_p(memory.ptr))
+
+    def register(self, memory: RmaMemory) -> RmaWindow:
+        """Register ``memory`` (from :meth:`allocate`) as a symmetric window. Collective:
+        every rank, same size, same order. The window owns the memory from here on
+        (:meth:`destroy` / :meth:`abort` free it). Raises :class:`NcclError` when NCCL
+        returns a NULL window (it does so, with success, where the communicator has no host
+        RMA), after freeing the memory."""
+        lib = _library()
+        handle = ctypes.c_void_p()
+        with torch.cuda.device(self.device):
             try:
-                _check(lib.ncclCommWindowRegister(self.comm, ptr, ctypes.c_size_t(nbytes),
-                                                  ctypes.byref(handle), _WIN_COLL_SYMMETRIC),
-                       "ncclCommWindowRegister", self.comm)  # fmt: skip
+                _check(lib.ncclCommWindowRegister(
+                    self.comm, ctypes.c_void_p(memory.ptr), ctypes.c_size_t(memory.nbytes),
+                    ctypes.byref(handle), _WIN_COLL_SYMMETRIC,
+                ), "ncclCommWindowRegister", self.comm)  # fmt: skip
             except NcclError:
-                lib.ncclMemFree(ptr)
+                self.free(memory)
                 raise
         if not handle.value:
-            lib.ncclMemFree(ptr)
+            self.free(memory)
             raise NcclError(
                 "ncclCommWindowRegister returned a NULL window: this communicator has no "
                 "host RMA between its ranks"
             )
-        tensor = torch.as_tensor(_CudaArray(ptr.value, nbytes), device=self.device)
-        window = RmaWindow(ptr.value, nbytes, handle, tensor)
+        tensor = torch.as_tensor(_CudaArray(memory.ptr, memory.nbytes), device=self.device)
+        window = RmaWindow(memory.ptr, memory.nbytes, handle, tensor)
         self.windows.append(window)
         return window
 

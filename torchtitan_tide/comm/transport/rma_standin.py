@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .nccl_rma import RmaWindow
+from .nccl_rma import RmaMemory, RmaWindow
 
 __all__ = ["Faults", "StandinError", "StandinRma", "StandinTimeout", "new_unique_id"]
 
@@ -110,6 +110,8 @@ class StandinRma:
         self._sent = [0] * size  # cumulative signals sent, per peer
         self._signals = _map(self._signal_path(rank), 8 * size, create=True).view(torch.int64)
         self._peer_signals: dict[int, torch.Tensor] = {}
+        self._allocated: dict[int, tuple[torch.Tensor, int]] = {}  # ptr -> (memory, file)
+        self._files = 0  # window files made: every rank allocates in the same order
         self._threads: list[threading.Thread] = []
         self.closed = False
 
@@ -131,18 +133,31 @@ class StandinRma:
     def host_rma_supported(self) -> bool:
         return True
 
-    def register(self, nbytes: int) -> RmaWindow:
-        """This rank's next window (collective by convention: every rank registers its
-        windows in the same order and size, as NCCL requires)."""
-        index = len(self.windows)
+    def allocate(self, nbytes: int) -> RmaMemory:
+        """This rank's next window's memory (a file of the communicator's folder; a peer
+        finds it by the allocation's index: every rank allocates its windows in one order)."""
+        index = self._files
+        self._files += 1
         path = os.path.join(self.folder, f"window{index}.{self.rank}")
         tensor = _map(path, nbytes, create=True)
-        window = RmaWindow(tensor.data_ptr(), nbytes, ctypes.c_void_p(index), tensor)
+        self._allocated[tensor.data_ptr()] = (tensor, index)
+        return RmaMemory(tensor.data_ptr(), nbytes)
+
+    def free(self, memory: RmaMemory) -> None:
+        self._allocated.pop(memory.ptr, None)
+
+    def register(self, memory: RmaMemory | int) -> RmaWindow:
+        """Register memory from :meth:`allocate` (or allocate ``nbytes`` first) as the next
+        window (collective by convention: every rank in the same order and size)."""
+        if isinstance(memory, int):
+            memory = self.allocate(memory)
+        tensor, index = self._allocated.pop(memory.ptr)
+        window = RmaWindow(memory.ptr, memory.nbytes, ctypes.c_void_p(index), tensor)
         self.windows.append(window)
         return window
 
     def _peer_window(self, window: RmaWindow, peer: int) -> torch.Tensor:
-        index = self.windows.index(window)
+        index = window.handle.value or 0
         key = (index, peer)
         if key not in self._peer_windows:
             path = os.path.join(self.folder, f"window{index}.{peer}")
@@ -235,18 +250,21 @@ class StandinRma:
         return int(self._signals[peer].item())
 
     def destroy(self) -> None:
-        """Drop the mappings; the last rank to leave removes nothing (the creator's folder is
-        removed by :meth:`remove_folder`)."""
+        """Drop the mappings; rank 0 unlinks the communicator's files (a rank that mapped
+        them keeps its mappings valid)."""
         for thread in self._threads:
             thread.join(self.faults.delay_s * 10 + 1)
         self._threads.clear()
         self._peer_windows.clear()
         self._peer_signals.clear()
+        self._allocated.clear()
         self.windows.clear()
         self.closed = True
+        if self.rank == 0:
+            self.remove_folder()
 
     abort = destroy
 
     def remove_folder(self) -> None:
-        """Delete the communicator's files (one rank, after every rank destroyed)."""
+        """Delete the communicator's files."""
         shutil.rmtree(self.folder, ignore_errors=True)
