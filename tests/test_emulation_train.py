@@ -56,11 +56,15 @@ def _env(device: str, **extra: str) -> dict[str, str]:
     return env
 
 
-def _start(log: Path, args: list[str], env: dict[str, str], grace_s: int = 10) -> subprocess.Popen:
-    """emulate.sh with 2 nodes in a session of its own, output into ``log``."""
+def _start(
+    log: Path, args: list[str], env: dict[str, str], grace_s: int = 10, nodes: int = 2,
+    mode: str = "nodes",
+) -> subprocess.Popen:  # fmt: skip
+    """emulate.sh with ``nodes`` launcher nodes in a session of its own, output into ``log``."""
     with open(log, "w") as out:
         return subprocess.Popen(
-            ["bash", str(EMULATE), "--nodes", "2", "--grace", str(grace_s), "--", *args],
+            ["bash", str(EMULATE), "--nodes", str(nodes), "--mode", mode, "--grace",
+             str(grace_s), "--", *args],
             stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True,
         )  # fmt: skip
 
@@ -99,20 +103,24 @@ def test_emulated_training_has_fsdp2_losses(tmp_path):
     assert "transport=p2p" not in logs["fsdp2"].read_text()
 
 
-def _stopped_node_run(tmp_path: Path, device: str, run: list[str]) -> None:
-    """Rank 1 stops in TIDE's all-gather of step STOP_STEP; see the module docstring."""
+def _stopped_node_run(
+    tmp_path: Path, device: str, run: list[str], nodes: int = 2, mode: str = "nodes",
+    stop_rank: int = 1, operation: str = "TIDE-",
+) -> None:  # fmt: skip
+    """Rank ``stop_rank`` stops in TIDE's all-gather of step STOP_STEP; rank 0 must report
+    it, waiting in ``operation``; see the module docstring."""
     marker, log = tmp_path / "stopped_pid", tmp_path / "emulate.log"
     env = _env(
         device,
         PYTHONPATH=os.pathsep.join(p for p in (str(HOOKS), os.environ.get("PYTHONPATH")) if p),
-        TIDE_TEST_STOP_RANK="1", TIDE_TEST_STOP_STEP=str(STOP_STEP),
+        TIDE_TEST_STOP_RANK=str(stop_rank), TIDE_TEST_STOP_STEP=str(STOP_STEP),
         TIDE_TEST_STOP_MARKER=str(marker),
     )  # fmt: skip
     args = [*run, "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "100",
             "--tide.comm", "tide", "--tide.watchdog_timeout_s", str(WATCHDOG_S),
             "--comm.train_timeout_seconds", "300",  # NCCL's / gloo's own timeout: far later
             "--experimental.custom_import", "tide_stop_rank"]  # fmt: skip
-    proc = _start(log, args, env, grace_s=5)
+    proc = _start(log, args, env, grace_s=5, nodes=nodes, mode=mode)
     stopped_pid, stopped_start = None, None
     try:
         deadline = time.monotonic() + 300
@@ -138,10 +146,11 @@ def _stopped_node_run(tmp_path: Path, device: str, run: list[str]) -> None:
     print(f"{device}: job ended {ended_s:.1f} s after rank 1 stopped (rc {rc})")
     assert rc != 0, out[-6000:]
     waited = (
-        f"TIDE watchdog: rank 0 waited {WATCHDOG_S} s at step {STOP_STEP} for rank(s) 1 in TIDE-"
+        f"TIDE watchdog: rank 0 waited {WATCHDOG_S} s at step {STOP_STEP} for rank(s) "
+        f"{stop_rank} in {operation}"
     )
     assert waited in out, out[-8000:]
-    assert "stopped answering: rank 1 (no heartbeat for" in out, out[-8000:]
+    assert f"stopped answering: rank {stop_rank} (no heartbeat for" in out, out[-8000:]
     assert "[node 0] run_train.sh: cause: TIDE watchdog: rank 0 waited" in out, out[-8000:]
     assert re.search(r"\[node 0\]\s+exitcode\s*:\s*124", out), out[-8000:]
     # The deadline, a poll, the bounded abort (<= 10 s), torchrun's exit, emulate.sh's
@@ -160,3 +169,63 @@ def test_emulated_stopped_node_ends_the_job_with_a_report(tmp_path):
 @pytest.mark.slow
 def test_stopped_node_ends_the_job_with_a_report_cpu(tmp_path):
     _stopped_node_run(tmp_path, "cpu", CPU_RUN)
+
+
+# N x L on ONE GPU as ONE NCCL node (NCCL >= 2.30 in torch's place: check.sh's nxl stage):
+# 4 launcher nodes of one rank that TIDE groups as 2 nodes x 2 (docs/2026-12-04-windows.md).
+NXL = ["--tide.local_world_size", "2"]
+
+
+def _multi_rank_gpu(test):
+    from torchtitan_tide.comm.transport.nccl_rma import multi_rank_gpu_missing_reason
+
+    reason = multi_rank_gpu_missing_reason() if torch.cuda.is_available() else "needs CUDA"
+    mark = pytest.mark.skipif(reason is not None, reason=str(reason))
+    marks = (pytest.mark.gpu, pytest.mark.emulation, pytest.mark.one_node, pytest.mark.nxl)
+    for m in marks:
+        test = m(test)
+    return needs_cuda(mark(test))
+
+
+@_multi_rank_gpu
+def test_nxl_training_follows_fsdp2_losses(tmp_path):
+    """2 nodes x 2 on NCCL windows, bf16 parameters, deterministic, 20 steps: the losses
+    follow fsdp2's (TIDE-RS adds in its own order: not bitwise; the bound is a relative
+    1e-2, and the report prints the largest difference)."""
+    steps = ["--training.steps", "20", "--debug.deterministic"]
+    procs, logs = {}, {}
+    try:
+        for comm in ("fsdp2", "tide"):  # both at once: 8 processes share the GPU
+            logs[comm] = tmp_path / f"{comm}.log"
+            args = [*BF16, *steps, *NXL, "--job.dump_folder", str(tmp_path / comm),
+                    "--tide.comm", comm]  # fmt: skip
+            procs[comm] = _start(logs[comm], args, _env("cuda"), nodes=4, mode="one_node")
+        deadline = time.monotonic() + 300
+        for comm, proc in procs.items():
+            try:
+                rc = proc.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{comm} run still going after 300 s:\n"
+                                     + logs[comm].read_text()[-6000:]) from None  # fmt: skip
+            assert rc == 0, f"{comm} run failed ({rc}):\n" + logs[comm].read_text()[-6000:]
+    finally:
+        for proc in procs.values():
+            end_tree(proc)
+    stock = losses(read_metrics(tmp_path / "fsdp2"))
+    tide = losses(read_metrics(tmp_path / "tide"))
+    assert sorted(stock) == list(range(1, 21)) and sorted(tide) == sorted(stock), (tide, stock)
+    worst = max(abs(tide[s] - stock[s]) / abs(stock[s]) for s in stock)
+    print(f"2 x 2 windows vs fsdp2, 20 steps: largest relative loss difference {worst:.2e}; "
+          f"step 20 {stock[20]:.5f} vs {tide[20]:.5f}")
+    assert worst < 1e-2, (worst, tide, stock)
+    out = logs["tide"].read_text()
+    assert "transport=windows (auto: 2 nodes x 2: NCCL windows" in out, out[-6000:]
+    assert re.search(r"TIDE-RS .*: first reduce, .* 2 nodes x 2", out), out[-6000:]
+
+
+@_multi_rank_gpu
+def test_nxl_stopped_rank_inside_a_cross_node_wait_ends_the_job(tmp_path):
+    """2 nodes x 2: rank 2 (node 1, local 0: rank 0's rail peer) stops; rank 0's cross-node
+    window wait passes its deadline and the watchdog ends the job naming rank 2."""
+    _stopped_node_run(tmp_path, "cuda", [*BF16, *NXL], nodes=4, mode="one_node", stop_rank=2,
+                      operation="TIDE-AG cross-node window wait")  # fmt: skip

@@ -1,20 +1,27 @@
-"""What TIDE's cross-node path costs the SMs and the wire, measured on ONE GPU (emulation).
+"""What TIDE's multi-node path costs the SMs, the copy engines and the wire, on ONE GPU.
 
-    python scripts/bench/bench_cross_node.py --out-dir bench/results [--emulation one_node]
+    python scripts/bench/bench_cross_node.py --out-dir bench/results [--layout 2x2]
+        [--emulation one_node]
 
-Two ranks share GPU 0 as two "nodes" (TIDE's ``local_world_size = 1``: every exchange is
-cross-node). ``--emulation one_node`` (default): NCCL sees one node
+``--layout NxL`` (default 2x1): N*L ranks share GPU 0, TIDE told ``local_world_size = L``
+(N "nodes" of L ranks). ``--emulation one_node`` (default): NCCL sees one node
 (``NCCL_MULTI_RANK_GPU_ENABLE=1``; needs NCCL >= 2.30 in torch's place) and moves
-one-sided puts by copy engine; ``nodes``: each rank its own NCCL host
+one-sided puts by copy engine; ``nodes`` (L = 1 only): each rank its own NCCL host
 (``NCCL_HOSTID``, sockets on loopback; no host RMA, so no one-sided variant).
 
 Variants (one spawn each, the same Llama-shaped bf16 model and data): ``fsdp2`` (stock
-all-gather / reduce-scatter kernels), ``tide_p2p`` (TIDE over NCCL send/recv),
-``tide_one_sided`` (NCCL put/signal), each with the fp32 and, where the option exists,
-the bf16 TIDE-RS wire. Per step (median of ``--steps`` profiled steps after warm-up):
-NCCL kernels launched, their kernel-ms and SM-ms (kernel time x min(1, CTAs / SMs)),
-copies, and the bytes each rank put on the cross-node wire (TIDE: counted by its
-transports; fsdp2: ring all-gather and reduce-scatter, (W-1)/W of the gathered bytes).
+all-gather / reduce-scatter kernels), ``tide_p2p`` (``cross_node_transport = "p2p"``:
+TIDE over NCCL send/recv, node-local too where ranks share the GPU), ``tide_one_sided``
+(NCCL windows: put/signal on both tiers, TIDE-RS phase 2 on its ring), each with the fp32
+and the bf16 TIDE-RS wire. Per step (median of ``--steps`` profiled steps after warm-up),
+per rank: NCCL kernels launched, their kernel-ms and SM-ms (kernel time x min(1, CTAs /
+SMs)), copies and the bytes they moved (profiled memcpy events: every copy is one read and
+one write of HBM here), and the bytes put on the cross-node wire (TIDE: counted by its
+transports, rail puts and phase 2; fsdp2: a ring over the N*L ranks in node order crosses
+nodes N times, so (N/W)(W-1) shards per collective per rank on average: a model, said so).
+The one-sided variant also records the ops of one all-gather as the window transport ran
+them (``window_rounds``: which stream waits on which peer) and the profiled copies of a
+step on their streams (a PNG timeline: placement copies beside the next wave's puts).
 The ranks share one GPU and "the network" is a copy or a loopback socket: step times from
 here are no cluster figure and are not reported; kernel counts, SM-ms and bytes are.
 """
@@ -98,11 +105,11 @@ def _sent_bytes(model: nn.Module) -> int:
     return total
 
 
-def _fsdp2_wire_bytes(model: nn.Module, world: int) -> int:
-    """Ring all-gather (bf16) and reduce-scatter (fp32) bytes one rank sends per step:
-    (W-1) padded shards per collective; each layer group is gathered twice (forward, and
-    backward after resharding), the root once (FSDP2 keeps it unsharded after forward),
-    and every group is reduced once."""
+def _fsdp2_wire_bytes(model: nn.Module, world: int, nodes: int) -> int:
+    """Ring all-gather (bf16) and reduce-scatter (fp32) bytes one rank sends to other nodes
+    per step, on average: (W-1) padded shards per collective, N of the ring's W hops cross
+    nodes; each layer group is gathered twice (forward, and backward after resharding), the
+    root once (FSDP2 keeps it unsharded after forward), and every group is reduced once."""
     from torchtitan_tide.comm import fsdp_internals
 
     total = 0
@@ -110,16 +117,83 @@ def _fsdp2_wire_bytes(model: nn.Module, world: int) -> int:
         shard_numel = sum(fp._sharded_param_data.numel() for fp in group.fsdp_params)
         gathers = 1 if fqn in ("", "<root>") else 2
         total += (world - 1) * shard_numel * (gathers * 2 + 4)
-    return total
+    return total * nodes // world if nodes > 1 else 0
+
+
+def _op_line(op) -> str:
+    """One window op as the schedule table prints it."""
+    kind = type(op).__name__
+    if kind == "Fork":
+        return f"fork   {op.dst} waits for {op.src}"
+    if kind == "Put":
+        return f"put    [{op.stream}] {op.nbytes} B -> group rank {op.peer} @ {op.dst}"
+    if kind == "Wait":
+        return f"wait   [{op.stream}] {op.count} signal(s) from group rank {op.peer}"
+    if kind == "Place":
+        ranks = ", ".join(str(r) for _, r, _ in op.entries)
+        return f"place  [{op.stream}] shards of ranks {ranks} into the parameters"
+    if kind == "PackOwn":
+        return f"pack   [{op.stream}] own shards cast into the window @ {op.dst}"
+    return f"{kind.lower():6} [{op.stream}]"
+
+
+def _last_ag_ops(model: nn.Module) -> list[str]:
+    from torchtitan_tide.comm import fsdp_patch
+
+    for fqn, group in fsdp_patch.fsdp_param_groups(model):
+        transport = group._tide_ag_state.transport
+        if fqn and hasattr(transport, "slots"):
+            return [_op_line(op) for op in transport.slots.last_ag_ops]
+    return []
+
+
+def _copy_lanes(events: list[dict]) -> list[dict]:
+    """The step's copies and kernels as (stream, start, end) in ms from the first event."""
+    if not events:
+        return []
+    t0 = min(e["ts"] for e in events)
+    lanes = []
+    for e in events:
+        kind = common.classify_device_event(e["name"])
+        if kind in ("memcpy", "other_kernel", "nccl_kernel"):
+            stream = (e.get("args") or {}).get("stream", e.get("tid"))
+            lanes.append({"stream": stream, "kind": kind, "start_ms": (e["ts"] - t0) / 1e3,
+                          "end_ms": (e["ts"] + e["dur"] - t0) / 1e3})  # fmt: skip
+    return lanes
+
+
+def _timeline_png(path: Path, lanes: list[dict], title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    streams = sorted({str(x["stream"]) for x in lanes})
+    fig, ax = plt.subplots(figsize=(12, 1 + 0.5 * len(streams)))
+    colors = {"memcpy": "tab:blue", "other_kernel": "tab:gray", "nccl_kernel": "tab:red"}
+    for x in lanes:
+        y = streams.index(str(x["stream"]))
+        ax.barh(y, x["end_ms"] - x["start_ms"], left=x["start_ms"], height=0.6,
+                color=colors[x["kind"]])  # fmt: skip
+    ax.set_yticks(range(len(streams)), [f"stream {s}" for s in streams])
+    ax.set_xlabel("ms from the step's first device event (copies blue, kernels grey)")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace, variant: dict, result: str) -> None:
     from torchtitan_tide import comm
 
     device = torch.device("cuda", 0)
+    nodes, lws = args.nodes, args.local
     model = _build(args, device)
     if variant["mode"] == "tide":
-        options = {"local_world_size": 1, "cross_node_transport": variant["transport"]}
+        options = {"local_world_size": lws, "cross_node_transport": variant["transport"]}
         if variant["wire"] != "float32":
             options["rs_wire_dtype"] = variant["wire"]
         comm.apply(model, "tide", **options)
@@ -150,6 +224,9 @@ def _worker(rank: int, world: int, args: argparse.Namespace, variant: dict, resu
             events = common.device_events(common.load_chrome_trace(trace))
         kinds = [common.classify_device_event(e["name"]) for e in events]
         nccl = [e for e, k in zip(events, kinds) if k == "nccl_kernel"]
+        copy_bytes = sum((e.get("args") or {}).get("bytes", 0)
+                         for e, k in zip(events, kinds) if k == "memcpy")  # fmt: skip
+        lanes = _copy_lanes(events)
         per_step.append({
             "nccl_kernels": len(nccl),
             "nccl_kernel_ms": sum(e["dur"] for e in nccl) / 1e3,
@@ -157,20 +234,37 @@ def _worker(rank: int, world: int, args: argparse.Namespace, variant: dict, resu
                               for e in nccl) / 1e3,
             "kernels": sum(1 for k in kinds if k.endswith("kernel")),
             "copies": kinds.count("memcpy"),
+            "copy_bytes": copy_bytes,
             "wire_bytes": (_sent_bytes(model) - sent if variant["mode"] == "tide"
-                           else _fsdp2_wire_bytes(model, world)),
+                           else _fsdp2_wire_bytes(model, world, nodes)),
             "nccl_kernel_names": sorted({e["name"].split("(")[0] for e in nccl}),
         })  # fmt: skip
+    schedule = _last_ag_ops(model) if variant["mode"] == "tide" else []
     if variant["mode"] == "tide":
         comm.remove(model)
     if rank == 0:
         row = {"variant": variant["name"], **variant}
         for key in ("nccl_kernels", "nccl_kernel_ms", "nccl_sm_ms", "kernels", "copies",
-                    "wire_bytes"):  # fmt: skip
+                    "copy_bytes", "wire_bytes"):  # fmt: skip
             row[key] = statistics.median(s[key] for s in per_step)
         row["wire_mib"] = row["wire_bytes"] / 2**20
+        row["copy_mib"] = row["copy_bytes"] / 2**20
+        row["hbm_mib"] = 2 * row["copy_mib"]  # a copy reads and writes HBM (one GPU)
+        row["schedule"] = schedule
+        if schedule:  # the window transport's step: its copies and kernels, per stream
+            row["lanes"] = lanes[:4000]
         row["nccl_kernel_names"] = per_step[-1]["nccl_kernel_names"]
         Path(result).write_text(json.dumps(row))
+
+
+def _layout(text: str) -> tuple[int, int]:
+    try:
+        nodes, local = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--layout {text!r}: NxL, e.g. 2x2") from None
+    if nodes < 2 or local < 1:
+        raise argparse.ArgumentTypeError(f"--layout {text!r}: at least 2 nodes of 1 rank")
+    return nodes, local
 
 
 def _variants(emulation: str, wires: list[str]) -> list[dict]:
@@ -188,7 +282,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common.add_out_dir(parser)
     parser.add_argument("--emulation", choices=sorted(EMULATION_ENV), default="one_node")
-    parser.add_argument("--ranks", type=int, default=2, help="emulated nodes on GPU 0")
+    parser.add_argument("--layout", type=_layout, default=(2, 1),
+                        help="N nodes x L ranks on GPU 0 (default 2x1)")  # fmt: skip
     parser.add_argument("--dim", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=5632)
     parser.add_argument("--layers", type=int, default=4)
@@ -198,6 +293,10 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
+    args.nodes, args.local = args.layout
+    args.ranks = args.nodes * args.local
+    if args.local > 1 and args.emulation != "one_node":
+        parser.error("--layout with L > 1 needs --emulation one_node (ranks share the GPU)")
     from torchtitan_tide.comm.options import TideOptions
 
     wires = ["float32"] + (["bfloat16"] if hasattr(TideOptions(), "rs_wire_dtype") else [])
@@ -214,21 +313,32 @@ def main() -> int:
                 rows.append({"variant": variant["name"], "error": errors[variant["name"]]})
             print(json.dumps(rows[-1]), flush=True)
     meta = common.metadata(args.ranks)
-    stem = common.result_stem(args.out_dir, f"cross_node_{args.emulation}", meta)
+    shape = f"{args.nodes}x{args.local}"
+    name = f"cross_node_{args.emulation}" + ("" if args.local == 1 else f"_{shape}")
+    stem = common.result_stem(args.out_dir, name, meta)
     columns = [
         ["variant", "variant"], ["nccl_kernels", "NCCL kernels / step"],
         ["nccl_kernel_ms", "NCCL kernel ms"], ["nccl_sm_ms", "NCCL SM-ms"],
-        ["copies", "copies / step"], ["wire_mib", "cross-node MiB / rank / step"],
-        ["error", "error"],
+        ["copies", "copies / step"], ["hbm_mib", "copy HBM MiB / rank / step"],
+        ["wire_mib", "cross-node MiB / rank / step"], ["error", "error"],
     ]  # fmt: skip
+    args.layout = shape
     results = {
         "kind": "cross_node",
         "metadata": meta,
         "args": vars(args),
         "note": "ranks share one GPU; no step time or bandwidth from here is a cluster figure",
-        "tables": [{"title": f"cross-node path per step, {args.ranks} emulated nodes "
+        "tables": [{"title": f"per rank per step, {args.nodes} emulated nodes x {args.local} "
                              f"({args.emulation})", "columns": columns, "rows": rows}],
     }  # fmt: skip
+    sided = next((r for r in rows if r.get("schedule")), None)
+    notes = ""
+    if sided is not None:
+        notes = ("Ops of one all-gather of a layer as rank 0's window transport ran them "
+                 f"({sided['variant']}):\n\n```\n" + "\n".join(sided["schedule"]) + "\n```\n")
+        if _timeline_png(Path(f"{stem}_timeline.png"), sided["lanes"],
+                         f"rank 0, one profiled step, {sided['variant']} ({shape})"):
+            notes += f"\nTimeline of that step's copies per stream: `{Path(stem).name}_timeline.png`.\n"
     charts = [
         common.BarChart(title="NCCL SM-ms per step", labels=[r["variant"] for r in rows],
                         values=[r.get("nccl_sm_ms") or 0.0 for r in rows], ylabel="SM-ms"),
@@ -236,8 +346,9 @@ def main() -> int:
                         labels=[r["variant"] for r in rows],
                         values=[r.get("wire_mib") or 0.0 for r in rows], ylabel="MiB"),
     ]  # fmt: skip
-    title = "TIDE cross-node path (emulated)"
-    common.announce_results(stem, common.write_result(stem, results, title, charts=charts))
+    title = f"TIDE multi-node path, {shape} on one GPU (emulated)"
+    text = common.write_result(stem, results, title, notes=notes, charts=charts)
+    common.announce_results(stem, text)
     return 1 if errors else 0
 
 

@@ -98,7 +98,7 @@ def _shard(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return chunks[rank] if rank < len(chunks) else full.new_empty((0, *full.shape[1:]))
 
 
-def _build(mode: str, lws: int):
+def _build(mode: str, lws: int, device: torch.device):
     from torchtitan_tide import comm
 
     def tide(wire: str):
@@ -110,16 +110,20 @@ def _build(mode: str, lws: int):
         "tide_fp32_wire": (tide("float32"), torch.float32),
         "tide_bf16_wire": (tide("bfloat16"), torch.float32),
     }[mode]
-    return harness.build_fsdp_layer(LAYER, torch.device("cpu"), before, reduce_dtype)
+    return harness.build_fsdp_layer(LAYER, device, before, reduce_dtype)
 
 
-def _layout_worker(rank: int, world: int, lws: int, trials: int, out: dict) -> None:
-    """All modes and distributions of one layout; rank 0 writes ``out[layout]``."""
+def _layout_worker(
+    rank: int, world: int, lws: int, trials: int, out: dict, device_type: str = "cpu"
+) -> None:
+    """All modes and distributions of one layout; rank 0 writes ``out[layout]`` and the
+    TIDE-AG transport its groups ran (``cuda``: every rank on GPU 0, NCCL windows)."""
     from torchtitan_tide.comm import reduce_scatter as tide_rs
 
     tide_rs.set_poison(float("nan"))  # every TIDE-RS buffer poisoned before it is written
     nodes = world // lws
-    models = {mode: _build(mode, lws) for mode in MODES}
+    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    models = {mode: _build(mode, lws, device) for mode in MODES}
     states = {m: g._tide_rs_state for m, (_, g) in models.items() if hasattr(g, "_tide_rs_state")}
     shard_numel = sum(fp._sharded_param_data.numel() for fp in models["fsdp2_fp32"][1].fsdp_params)
     # stats[(distribution, mode)][param] = worst (rms_rel, max_rel, max_err_mag)
@@ -130,9 +134,10 @@ def _layout_worker(rank: int, world: int, lws: int, trials: int, out: dict) -> N
             seed = 10_000 * d_index + 100 * trial
             names = [harness.param_name(fp) for fp in models["fsdp2_fp32"][1].fsdp_params]
             grads = {
-                name: make_grad(distribution, LAYER.params[name], SCALES[name], seed + 17 * i, rank)
+                name: make_grad(distribution, LAYER.params[name], SCALES[name], seed + 17 * i,
+                                rank).to(device)
                 for i, name in enumerate(names)
-            }
+            }  # fmt: skip
             ref, mag = {}, {}
             for name, g in grads.items():
                 total, absolute = g.double(), g.double().abs()
@@ -156,13 +161,14 @@ def _layout_worker(rank: int, world: int, lws: int, trials: int, out: dict) -> N
                         raise RuntimeError(f"{mode} {name}: NaN left in the reduced gradient")
                     err = (local - ref[name]).abs()
                     parts = torch.tensor(
-                        [(err * err).sum(), (ref[name] ** 2).sum()], dtype=torch.float64
+                        [(err * err).sum(), (ref[name] ** 2).sum()], dtype=torch.float64,
+                        device=device,
                     )
                     peaks = torch.tensor(
                         [err.max() if err.numel() else 0.0,
                          ref[name].abs().max() if err.numel() else 0.0,
                          (err / mag[name]).nan_to_num(0.0).max() if err.numel() else 0.0],
-                        dtype=torch.float64,
+                        dtype=torch.float64, device=device,
                     )  # fmt: skip
                     dist.all_reduce(parts)
                     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
@@ -183,11 +189,14 @@ def _layout_worker(rank: int, world: int, lws: int, trials: int, out: dict) -> N
             raise RuntimeError(f"{mode}: TIDE-RS ran {states[mode].calls} of {len(values)} reduces")
     tide_rs.set_poison(None)
     numels = {name: math.prod(shape) for name, shape in LAYER.params.items()}
+    transport = states["tide_bf16_wire"].transport
     if rank == 0:
         out[f"{nodes}x{lws}"] = {
             "nodes": nodes,
             "local": lws,
             "world": world,
+            "tide_transport": type(transport).__name__,
+            "tide_phase2": getattr(states["tide_bf16_wire"].cross_node, "name", None),
             "shard_numel": shard_numel,
             "wire_bytes_counted": {m: v[0] for m, v in sent.items()},
             "errors": {
@@ -319,20 +328,33 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_out_dir(parser)
     parser.add_argument("--trials", type=int, default=2)
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu",
+        help="cpu: gloo ranks; cuda: every rank on GPU 0 as ONE NCCL node "
+        "(NCCL_MULTI_RANK_GPU_ENABLE=1, NCCL >= 2.30: TIDE on NCCL windows)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     import torch.multiprocessing as mp
 
     import torchtitan_tide.comm  # noqa: F401 - imported once, inherited by the forked ranks
 
-    meta = common.metadata(world_size=max(n * l for n, l in LAYOUTS), machine="cpu")
+    cuda = args.device == "cuda"
+    layouts = ((2, 2), (2, 4)) if cuda else LAYOUTS
+    meta = common.metadata(world_size=max(n * l for n, l in layouts),
+                           **({} if cuda else {"machine": "cpu"}))  # fmt: skip
     stem = common.result_stem(args.out_dir, "rs_wire_error", meta)
     manager = mp.Manager()
     out = manager.dict()
     t0 = time.perf_counter()
-    for nodes, local in LAYOUTS:
+    for nodes, local in layouts:
         lt0 = time.perf_counter()
-        harness.spawn(_layout_worker, nodes * local, "cpu", (local, args.trials, out),
-                      start_method="fork")  # fmt: skip
+        if cuda:
+            harness.spawn(_layout_worker, nodes * local, "cuda:0",
+                          (local, args.trials, out, "cuda"),
+                          (("NCCL_MULTI_RANK_GPU_ENABLE", "1"),))  # fmt: skip
+        else:
+            harness.spawn(_layout_worker, nodes * local, "cpu", (local, args.trials, out),
+                          start_method="fork")  # fmt: skip
         print(f"{nodes}x{local}: {time.perf_counter() - lt0:.1f} s", flush=True)
     results: dict[str, Any] = {
         "kind": "rs_wire_error",
@@ -341,17 +363,19 @@ def main(argv: list[str] | None = None) -> int:
             "layer": LAYER.name,
             "layer_numel": LAYER.numel(),
             "trials": args.trials,
-            "layouts": [f"{n}x{l}" for n, l in LAYOUTS],
+            "layouts": [f"{n}x{l}" for n, l in layouts],
+            "device": "one GPU, ranks as one NCCL node" if cuda else "cpu (gloo)",
             "modes": list(MODES),
             "distributions": DISTRIBUTIONS,
             "scales": SCALES,
         },
-        "layouts": {k: out[k] for k in (f"{n}x{l}" for n, l in LAYOUTS)},
+        "layouts": {k: out[k] for k in (f"{n}x{l}" for n, l in layouts)},
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     results["tables"] = _tables(results)
     text = common.write_result(
-        stem, results, "TIDE-RS cross-node wire dtype: gradient error and bytes (CPU, gloo)",
+        stem, results, "TIDE-RS cross-node wire dtype: gradient error and bytes "
+        + ("(one GPU, N x L as one NCCL node, NCCL windows)" if cuda else "(CPU, gloo)"),
         notes=_notes(results), charts=_charts(results),
     )  # fmt: skip
     common.announce_results(stem, text)

@@ -18,6 +18,12 @@
 #   cross_node    bench_cross_node: NCCL kernels, SM-ms and wire bytes of TIDE's cross-node
 #                 path (p2p, one-sided; fp32 and bf16 RS wire) vs fsdp2, two emulated nodes
 #                 on GPU 0 that NCCL sees as one node (.nccl/'s NCCL swapped in)     ~1.5 min
+#   nxl           not in the default list: N nodes x L ranks on GPU 0 as ONE NCCL node, TIDE
+#                 on NCCL windows (docs/2026-12-04-windows.md), .nccl/'s NCCL swapped in:
+#                 NXL_PARTS="tests" runs `-m "gpu and nxl"` (2x2, 3x2, 2x4, 4x2 parity with
+#                 Llama and Qwen3 MoE, HSDP, EP; 20-step losses; a stopped rank) ~8 min;
+#                 NXL_PARTS="bench" bench_cross_node --layout per NXL_LAYOUTS (2x2 2x4) and
+#                 rs_wire_error --device cuda                                      ~4 min
 #   floor         bench_floor per config in FLOOR_CONFIGS, on GPU 0 only (1 GPU is enough):
 #                 the compute floor the step rows' gap_to_floor_pct refers to
 #                 ~40 s llama, ~30 s qwen3, ~2 min wan22 (7.5 s per fwd+bwd)
@@ -124,13 +130,13 @@ bundled_nccl_back() {
 if has emulation; then
   run nccl_bundled 60 python3 scripts/gpu/nccl_version.py
   note "  $(nccl_line "$LOGS/nccl_bundled.log")"
-  run emulation_nodes 300 python3 -m pytest -q -m "gpu and emulation and not one_node" tests \
+  run emulation_nodes 300 python3 -m pytest -q -m "gpu and emulation and not one_node and not nxl" tests \
     -p no:cacheprovider
   note "  $(tail -1 "$LOGS/emulation_nodes.log")"
   if [[ -d .nccl ]]; then
     # The newer NCCL only for this sub-stage: torch 2.11's symm_mem mode needs the bundled one.
     run emulation_one_node 240 bash scripts/gpu/nccl_swap.sh .nccl -- bash -c \
-      'python3 scripts/gpu/nccl_version.py && python3 -m pytest -q -m "gpu and emulation and one_node" tests -p no:cacheprovider'
+      'python3 scripts/gpu/nccl_version.py && python3 -m pytest -q -m "gpu and emulation and one_node and not nxl" tests -p no:cacheprovider'
     note "  $(nccl_line "$LOGS/emulation_one_node.log")"
     note "  $(grep -E '(passed|failed|skipped|error)' "$LOGS/emulation_one_node.log" | tail -1)"
     bundled_nccl_back nccl_restored
@@ -148,6 +154,35 @@ if has cross_node; then
     bundled_nccl_back nccl_restored_cross
   else
     note "cross_node: skipped (no .nccl/ with NCCL >= 2.30: carry it)"
+  fi
+fi
+
+if has nxl; then
+  if [[ -d .nccl ]]; then
+    [[ -f "$LOGS/nccl_bundled.log" ]] || run nccl_bundled 60 python3 scripts/gpu/nccl_version.py
+    parts="${NXL_PARTS:-tests bench}"
+    if [[ " $parts " == *" tests "* ]]; then
+      # -x: the first failure ends the stage (device time is scarce); fastest checks first.
+      run nxl_tests "${NXL_TESTS_S:-560}" bash scripts/gpu/nccl_swap.sh .nccl -- bash -c \
+        'python3 scripts/gpu/nccl_version.py && python3 -m pytest -q -x -s -m "gpu and nxl" \
+         ${NXL_TESTS:-tests/comm/test_windows_gpu.py tests/test_emulation_train.py} -p no:cacheprovider'
+      note "  $(nccl_line "$LOGS/nxl_tests.log")"
+      note "  $(grep -E '(passed|failed|skipped|error)' "$LOGS/nxl_tests.log" | tail -1)"
+      while read -r line; do note "  $line"; done < <(grep -E \
+        'match stock FSDP2|largest relative loss difference|job ended' "$LOGS/nxl_tests.log" \
+        | sed 's/^\[rank [0-9]*\] //' | sort -u | head -20)
+    fi
+    if [[ " $parts " == *" bench "* ]]; then
+      run nxl_bench 420 bash scripts/gpu/nccl_swap.sh .nccl -- bash -c \
+        'for layout in ${NXL_LAYOUTS:-2x2 2x4}; do
+           python3 scripts/bench/bench_cross_node.py --layout "$layout" --out-dir bench/results || exit 1
+         done
+         python3 scripts/bench/rs_wire_error.py --device cuda --trials 1 --out-dir bench/results'
+      while read -r line; do note "  $line"; done < <(grep -o 'results: .*' "$LOGS/nxl_bench.log")
+    fi
+    bundled_nccl_back nccl_restored_nxl
+  else
+    note "nxl: skipped (no .nccl/ with NCCL >= 2.30: carry it, docs/2026-12-04-windows.md)"
   fi
 fi
 

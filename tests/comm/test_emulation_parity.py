@@ -88,8 +88,13 @@ def _parity(
         first_reduce = [m for m in rec.logs if "TIDE-RS" in m and "first reduce" in m]
         assert first_reduce and all(shape in m for m in first_reduce), log
         if rank == 0:  # install's decisions are logged by global rank 0
+            transport = (
+                f"transport=windows (auto: {shape}: NCCL windows, one-sided puts across nodes"
+                if layout.expect_transport == "WindowTransport"
+                else f"transport=p2p (auto: {shape}: no node-local peers, point-to-point over "
+            )  # fmt: skip
             for line in (
-                f"transport=p2p (auto: {shape}: no node-local peers, point-to-point over ",
+                transport,
                 f"{shape} ({nodes} node(s) with 1 consecutive group ranks each)",  # detected
                 f"{shape} (option local_world_size)",  # forced
             ):
@@ -119,10 +124,10 @@ def test_emulated_nodes_parity(tmp_path, nodes):
 
 # The one-node test's TIDE runs: ([tide] keys, the TIDE-AG transport class every group
 # must use). Under "auto" NCCL >= 2.30 sees host RMA within this one node and takes the
-# one-sided puts (docs/2026-12-02-one-sided.md), so each transport is named here.
+# NCCL windows (docs/2026-12-04-windows.md), so each transport is named here.
 ONE_NODE_RUNS = [
     ({"cross_node_transport": "p2p"}, "P2PTransport"),
-    ({"cross_node_transport": "nccl_one_sided"}, "OneSidedAllGather"),
+    ({"cross_node_transport": "nccl_one_sided"}, "WindowTransport"),
 ]
 
 

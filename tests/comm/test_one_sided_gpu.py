@@ -96,7 +96,7 @@ def _parity(rank: int, world_size: int, transport: str) -> None:
     from torchtitan_tide.comm import all_gather as tide_ag
     from torchtitan_tide.comm import fsdp_patch
     from torchtitan_tide.comm import reduce_scatter as tide_rs
-    from torchtitan_tide.comm.transport.one_sided import OneSidedAllGather
+    from torchtitan_tide.comm.transport.windows import WindowTransport
 
     device = torch.device("cuda", 0)
     records = _records()
@@ -123,7 +123,7 @@ def _parity(rank: int, world_size: int, transport: str) -> None:
             groups = [g for _, g in fsdp_patch.fsdp_param_groups(tide)]
             ags = [g._tide_ag_state.transport for g in groups]
             sides = [g._tide_rs_state.cross_node for g in groups]
-            assert all(isinstance(t, OneSidedAllGather) for t in ags), ags
+            assert all(isinstance(t, WindowTransport) for t in ags), ags
             assert all(s.name == "nccl_one_sided" for s in sides), "TIDE-RS phase 2 is not one-sided"
             opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
             opt_tide = torch.optim.AdamW(tide.parameters(), lr=1e-2, foreach=False)

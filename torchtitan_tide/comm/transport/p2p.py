@@ -44,7 +44,8 @@ class P2PTransport:
         self.name = name
         self.device = device
         self.staging: torch.Tensor | None = None  # uint8, TIDE-RS rows
-        self.sent_bytes = 0  # all-gather bytes this rank posted to peers (benchmarks read it)
+        self.all_sent_bytes = 0  # all-gather bytes this rank posted to peers, every tier
+        self.sent_bytes = 0  # of those, to other nodes (the benchmarks' wire bytes)
 
     def gather(
         self,
@@ -63,7 +64,9 @@ class P2PTransport:
                 for c in send_waves[i] if i < len(send_waves) else ():
                     data = _byte_view(outputs[c.param_index], c)
                     ops.append(dist.P2POp(dist.isend, data, send_peer, group))
-                    self.sent_bytes += data.numel()
+                    self.all_sent_bytes += data.numel()
+                    if ex.phase == "cross_node":
+                        self.sent_bytes += data.numel()
                 for c in recv_waves[i] if i < len(recv_waves) else ():
                     ops.append(
                         dist.P2POp(

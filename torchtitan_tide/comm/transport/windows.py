@@ -68,6 +68,7 @@ class WindowCounters:
 
     puts: int = 0
     put_bytes: int = 0
+    cross_node_put_bytes: int = 0  # of put_bytes, to ranks of other nodes
     signals: int = 0
     waits: int = 0
     placed_copies: int = 0
@@ -91,7 +92,7 @@ class WindowSlots:
     ag_index: int = 0
     round_index: int = 0
     counters: WindowCounters = field(default_factory=WindowCounters)
-    last_ops: list = field(default_factory=list)  # the ops of the last round (schedule dumps)
+    last_ag_ops: list = field(default_factory=list)  # the last all-gather's ops (schedule dumps)
 
 
 class WindowTransport:
@@ -108,6 +109,12 @@ class WindowTransport:
     @property
     def counters(self) -> WindowCounters:
         return self.slots.counters
+
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes this rank put to ranks of other nodes (TIDE-AG's cross-node tier; the
+        benchmarks' wire bytes, as ``P2PTransport.cross_node_bytes``)."""
+        return self.slots.counters.cross_node_put_bytes
 
     @property
     def staging_capacity(self) -> int:
@@ -131,11 +138,12 @@ class WindowTransport:
         slots.ag_index += 1
         slots.round_index += 1
         slots.counters.all_gathers += 1
-        run = _Run(slots, group, outputs[0].device if outputs else slots.window.tensor.device)
+        run = _Run(slots, group, outputs[0].device if outputs else slots.window.tensor.device,
+                   "TIDE-AG")  # fmt: skip
         run.ag = (plan, packing, inputs, outputs)
         run.execute(ops)
         run.poison_read_halves(ops)
-        slots.last_ops = ops
+        slots.last_ag_ops = ops
         return None
 
     # ------------------------------------------------------------ TIDE-RS
@@ -163,18 +171,20 @@ class WindowTransport:
                            grads[0].element_size(), slots.round_index)  # fmt: skip
         slots.round_index += 1
         slots.counters.rs_rounds += 1
-        run = _Run(slots, group, target.device)
+        run = _Run(slots, group, target.device, "TIDE-RS")
         run.rs = (grads, target, not rnd.first, divisor, num_ctas)
         run.execute(ops)
         run.poison_read_halves(ops)
-        slots.last_ops = ops
 
 
 class _Run:
     """Executes one round's ops (see the module docstring) for :class:`WindowTransport`."""
 
-    def __init__(self, slots: WindowSlots, group: dist.ProcessGroup, device: torch.device):
-        self.slots, self.group, self.device = slots, group, device
+    def __init__(
+        self, slots: WindowSlots, group: dist.ProcessGroup, device: torch.device, what: str
+    ) -> None:
+        self.slots, self.group, self.device, self.what = slots, group, device, what
+        self.node = group.rank() // slots.layout.local_world_size
         self.cuda = device.type == "cuda"
         self.buf = slots.window.tensor
         self.ag: tuple | None = None
@@ -215,6 +225,8 @@ class _Run:
             slots.comm.put_signal(src, op.peer, slots.window, op.dst, self._stream_arg(op.stream))
             counters.puts += 1
             counters.put_bytes += op.nbytes
+            if op.peer // slots.layout.local_world_size != self.node:
+                counters.cross_node_put_bytes += op.nbytes
         elif isinstance(op, Signal):
             slots.comm.signal(op.peer, self._stream_arg(op.stream))
             counters.signals += 1
@@ -222,7 +234,9 @@ class _Run:
             slots.comm.wait_signal(op.peer, op.count, self._stream_arg(op.stream))
             counters.waits += 1
             if self.cuda:
-                watchdog.watch_stream(f"TIDE window wait ({op.stream})", slots.group_name,
+                tier = ("node-local" if op.peer // slots.layout.local_world_size == self.node
+                        else "cross-node")  # fmt: skip
+                watchdog.watch_stream(f"{self.what} {tier} window wait", slots.group_name,
                                       (global_rank(self.group, op.peer),), self.device)  # fmt: skip
         elif isinstance(op, Place):
             self._place(op)
