@@ -105,10 +105,13 @@ def test_emulated_training_has_fsdp2_losses(tmp_path):
 
 def _stopped_node_run(
     tmp_path: Path, device: str, run: list[str], nodes: int = 2, mode: str = "nodes",
-    stop_rank: int = 1, operation: str = "TIDE-",
+    stop_rank: int = 1,
 ) -> None:  # fmt: skip
-    """Rank ``stop_rank`` stops in TIDE's all-gather of step STOP_STEP; rank 0 must report
-    it, waiting in ``operation``; see the module docstring."""
+    """Rank ``stop_rank`` stops in TIDE's all-gather of step STOP_STEP; see the module
+    docstring. Two nodes: rank 0 reports it (its only peer). More: every survivor waits on
+    it, directly (its window waits) or through the GPU they share (the host's run-ahead
+    bound on the compute stream); whichever deadline passes first, the report must name
+    the stopped rank among those waited for and as the one that stopped answering."""
     marker, log = tmp_path / "stopped_pid", tmp_path / "emulate.log"
     env = _env(
         device,
@@ -143,16 +146,21 @@ def _stopped_node_run(
         if stopped_pid is not None:
             kill_exact([(stopped_pid, stopped_start)])
     out = log.read_text()
-    print(f"{device}: job ended {ended_s:.1f} s after rank 1 stopped (rc {rc})")
+    print(f"{device}: job ended {ended_s:.1f} s after rank {stop_rank} stopped (rc {rc})")
     assert rc != 0, out[-6000:]
-    waited = (
-        f"TIDE watchdog: rank 0 waited {WATCHDOG_S} s at step {STOP_STEP} for rank(s) "
-        f"{stop_rank} in {operation}"
+    waited = re.compile(
+        rf"TIDE watchdog: rank (\d+) waited {WATCHDOG_S} s at step {STOP_STEP} for rank\(s\) "
+        rf"([\d, ]+) in (TIDE-[^(]+)"
     )
-    assert waited in out, out[-8000:]
+    reports = [(int(r), {int(x) for x in peers.split(",")}, op.strip())
+               for r, peers, op in waited.findall(out)]  # fmt: skip
+    assert reports and all(stop_rank in peers for _, peers, _ in reports), out[-8000:]
+    print("reports: " + "; ".join(sorted({f"rank {r} in {op}" for r, _, op in reports})))
+    if nodes == 2:
+        assert any(r == 0 for r, _, _ in reports), out[-8000:]
     assert f"stopped answering: rank {stop_rank} (no heartbeat for" in out, out[-8000:]
-    assert "[node 0] run_train.sh: cause: TIDE watchdog: rank 0 waited" in out, out[-8000:]
-    assert re.search(r"\[node 0\]\s+exitcode\s*:\s*124", out), out[-8000:]
+    assert "[node 0] run_train.sh: cause: TIDE watchdog: rank " in out, out[-8000:]
+    assert re.search(r"\[node \d+\]\s+exitcode\s*:\s*124", out), out[-8000:]
     # The deadline, a poll, the bounded abort (<= 10 s), torchrun's exit, emulate.sh's
     # grace (5 s) and the stop of the other node (<= 10 s + torchrun's 5 s).
     assert ended_s < WATCHDOG_S + 45, (ended_s, out[-6000:])
@@ -225,7 +233,9 @@ def test_nxl_training_follows_fsdp2_losses(tmp_path):
 
 @_multi_rank_gpu
 def test_nxl_stopped_rank_inside_a_cross_node_wait_ends_the_job(tmp_path):
-    """2 nodes x 2: rank 2 (node 1, local 0: rank 0's rail peer) stops; rank 0's cross-node
-    window wait passes its deadline and the watchdog ends the job naming rank 2."""
-    _stopped_node_run(tmp_path, "cuda", [*BF16, *NXL], nodes=4, mode="one_node", stop_rank=2,
-                      operation="TIDE-AG cross-node window wait")  # fmt: skip
+    """2 nodes x 2: rank 2 (node 1, local 0: rank 0's rail peer) stops as it enters an
+    all-gather; the survivors' waits on it (their cross-node and node-local window waits,
+    and the run-ahead bound of their compute streams on the shared GPU) pass their deadline
+    and the watchdog ends the job naming rank 2, no hang (measured 2026-12-04: 40 s after the
+    stop with a 15 s deadline)."""
+    _stopped_node_run(tmp_path, "cuda", [*BF16, *NXL], nodes=4, mode="one_node", stop_rank=2)
