@@ -74,26 +74,7 @@ def _start(
 @needs_cuda
 def test_emulated_training_has_fsdp2_losses(tmp_path):
     """2 emulated nodes, bf16 parameters, deterministic: tide's losses == fsdp2's, 8 steps."""
-    steps = ["--training.steps", "8", "--debug.deterministic"]
-    procs, logs = {}, {}
-    try:
-        for comm in ("fsdp2", "tide"):  # both at once: 4 processes share the GPU
-            logs[comm] = tmp_path / f"{comm}.log"
-            args = [*BF16, *steps, "--job.dump_folder", str(tmp_path / comm), "--tide.comm", comm]
-            procs[comm] = _start(logs[comm], args, _env("cuda"))
-        deadline = time.monotonic() + 240
-        for comm, proc in procs.items():
-            try:
-                rc = proc.wait(max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"{comm} run still going after 240 s:\n"
-                                     + logs[comm].read_text()[-6000:]) from None  # fmt: skip
-            assert rc == 0, f"{comm} run failed ({rc}):\n" + logs[comm].read_text()[-6000:]
-    finally:
-        for proc in procs.values():
-            end_tree(proc)
-    stock = losses(read_metrics(tmp_path / "fsdp2"))
-    tide = losses(read_metrics(tmp_path / "tide"))
+    stock, tide, logs = _train_both(tmp_path, ["--training.steps", "8", "--debug.deterministic"])
     assert sorted(stock) == list(range(1, 9)), stock
     assert tide == stock, (tide, stock)
     out = logs["tide"].read_text()
@@ -101,6 +82,31 @@ def test_emulated_training_has_fsdp2_losses(tmp_path):
     first_reduce = r"TIDE-RS .*: first reduce, .* 2 nodes x 1, accumulate: triton"
     assert re.search(first_reduce, out), out[-6000:]
     assert "transport=p2p" not in logs["fsdp2"].read_text()
+
+
+def _train_both(
+    tmp_path: Path, args: list[str], nodes: int = 2, mode: str = "nodes", timeout_s: int = 240
+) -> tuple[dict[int, float], dict[int, float], dict[str, Path]]:
+    """fsdp2 and tide trained at once (they share the GPU) on ``nodes`` launcher nodes:
+    ``(fsdp2's losses, tide's losses, each run's log)``; a failed or late run fails."""
+    procs, logs = {}, {}
+    try:
+        for comm in ("fsdp2", "tide"):
+            logs[comm] = tmp_path / f"{comm}.log"
+            run = [*BF16, *args, "--job.dump_folder", str(tmp_path / comm), "--tide.comm", comm]
+            procs[comm] = _start(logs[comm], run, _env("cuda"), nodes=nodes, mode=mode)
+        deadline = time.monotonic() + timeout_s
+        for comm, proc in procs.items():
+            try:
+                rc = proc.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{comm} run still going after {timeout_s} s:\n"
+                                     + logs[comm].read_text()[-6000:]) from None  # fmt: skip
+            assert rc == 0, f"{comm} run failed ({rc}):\n" + logs[comm].read_text()[-6000:]
+    finally:
+        for proc in procs.values():
+            end_tree(proc)
+    return losses(read_metrics(tmp_path / "fsdp2")), losses(read_metrics(tmp_path / "tide")), logs
 
 
 def _stopped_node_run(
@@ -200,27 +206,10 @@ def test_nxl_training_follows_fsdp2_losses(tmp_path):
     """2 nodes x 2 on NCCL windows, bf16 parameters, deterministic, 20 steps: the losses
     follow fsdp2's (TIDE-RS adds in its own order: not bitwise; the bound is a relative
     1e-2, and the report prints the largest difference)."""
-    steps = ["--training.steps", "20", "--debug.deterministic"]
-    procs, logs = {}, {}
-    try:
-        for comm in ("fsdp2", "tide"):  # both at once: 8 processes share the GPU
-            logs[comm] = tmp_path / f"{comm}.log"
-            args = [*BF16, *steps, *NXL, "--job.dump_folder", str(tmp_path / comm),
-                    "--tide.comm", comm]  # fmt: skip
-            procs[comm] = _start(logs[comm], args, _env("cuda"), nodes=4, mode="one_node")
-        deadline = time.monotonic() + 300
-        for comm, proc in procs.items():
-            try:
-                rc = proc.wait(max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"{comm} run still going after 300 s:\n"
-                                     + logs[comm].read_text()[-6000:]) from None  # fmt: skip
-            assert rc == 0, f"{comm} run failed ({rc}):\n" + logs[comm].read_text()[-6000:]
-    finally:
-        for proc in procs.values():
-            end_tree(proc)
-    stock = losses(read_metrics(tmp_path / "fsdp2"))
-    tide = losses(read_metrics(tmp_path / "tide"))
+    stock, tide, logs = _train_both(
+        tmp_path, ["--training.steps", "20", "--debug.deterministic", *NXL], nodes=4,
+        mode="one_node", timeout_s=300,
+    )  # fmt: skip
     assert sorted(stock) == list(range(1, 21)) and sorted(tide) == sorted(stock), (tide, stock)
     worst = max(abs(tide[s] - stock[s]) / abs(stock[s]) for s in stock)
     print(f"2 x 2 windows vs fsdp2, 20 steps: largest relative loss difference {worst:.2e}; "

@@ -291,6 +291,8 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--wires", default="float32,bfloat16",
+                        help="TIDE-RS wire dtypes of the tide variants, comma-separated")  # fmt: skip
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     args.nodes, args.local = args.layout
@@ -299,7 +301,9 @@ def main() -> int:
         parser.error("--layout with L > 1 needs --emulation one_node (ranks share the GPU)")
     from torchtitan_tide.comm.options import TideOptions
 
-    wires = ["float32"] + (["bfloat16"] if hasattr(TideOptions(), "rs_wire_dtype") else [])
+    wires = [w for w in args.wires.split(",") if w]
+    if not hasattr(TideOptions(), "rs_wire_dtype"):
+        wires = ["float32"]
     rows, errors = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for variant in _variants(args.emulation, wires):

@@ -175,7 +175,8 @@ if has nxl; then
     if [[ " $parts " == *" bench "* ]]; then
       run nxl_bench 420 bash scripts/gpu/nccl_swap.sh .nccl -- bash -c \
         'for layout in ${NXL_LAYOUTS:-2x2 2x4}; do
-           python3 scripts/bench/bench_cross_node.py --layout "$layout" --out-dir bench/results || exit 1
+           python3 scripts/bench/bench_cross_node.py --layout "$layout" --out-dir bench/results \
+             ${NXL_BENCH_ARGS:---wires float32 --warmup 1 --steps 2} || exit 1
          done
          python3 scripts/bench/rs_wire_error.py --device cuda --trials 1 --out-dir bench/results'
       while read -r line; do note "  $line"; done < <(grep -o 'results: .*' "$LOGS/nxl_bench.log")

@@ -471,7 +471,11 @@ def _connect_windows(
     rings: dict[tuple, OneSidedCrossNode] = {}
     tide_rs = options.reduce_scatter == "tide"
     wire = options.rs_wire_dtype != "float32"
-    for k, (key, members) in enumerate(_by_key(taken).items()):
+    by_key = _by_key(taken)
+    for key, found in probes.items():
+        if key not in by_key:  # probed, then no group of it took TIDE: nothing to set up
+            found.abort()
+    for k, (key, members) in enumerate(by_key.items()):
         found = probes.get(key)
         if found is None:
             continue

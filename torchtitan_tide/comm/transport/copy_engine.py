@@ -67,6 +67,7 @@ from ..plan import (
     WorldLayout,
     packed_entry,
 )
+from ..window_rounds import entry_runs
 from . import global_rank
 
 __all__ = ["CopyEngineTransport", "SymmSlots", "batch_copy"]
@@ -324,17 +325,6 @@ def batch_copy(
     _check(err, f"cudaMemcpyBatchAsync({len(dsts)} copies)")
 
 
-def _runs(nodes: list[int]) -> list[tuple[int, int]]:
-    """Maximal runs of consecutive node indices as (first, count)."""
-    out: list[tuple[int, int]] = []
-    for m in sorted(nodes):
-        if out and out[-1][0] + out[-1][1] == m:
-            out[-1] = (out[-1][0], out[-1][1] + 1)
-        else:
-            out.append((m, 1))
-    return out
-
-
 def _try_batch(
     device: torch.device,
     dsts: list[int],
@@ -455,7 +445,7 @@ class CopyEngineTransport:
                     global_rank(group, ex.send_peer),
                     group,
                 )
-                for m, k in _runs([layout.node_of(r) for r in ex.send_ranks])
+                for m, k in entry_runs([layout.node_of(r) for r in ex.send_ranks])
             ] + [
                 dist.P2POp(
                     dist.irecv,
@@ -463,7 +453,7 @@ class CopyEngineTransport:
                     global_rank(group, ex.recv_peer),
                     group,
                 )
-                for m, k in _runs([layout.node_of(r) for r in ex.recv_ranks])
+                for m, k in entry_runs([layout.node_of(r) for r in ex.recv_ranks])
             ]
             peers = (global_rank(group, ex.send_peer), global_rank(group, ex.recv_peer))
             watchdog.wait_works(dist.batch_isend_irecv(ops), "TIDE-AG cross-node p2p", group,

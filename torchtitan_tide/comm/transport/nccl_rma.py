@@ -367,6 +367,14 @@ class RmaComm:
                                 version=_CONFIG_VERSION)  # fmt: skip
         _check(lib.ncclCommQueryProperties(self.comm, ctypes.byref(props)),
                "ncclCommQueryProperties", self.comm)  # fmt: skip
+        # The struct's layout is NCCL 2.30's (not a documented ABI): the fields NCCL fills
+        # that TIDE knows must read back right, or hostRmaSupport cannot be trusted.
+        if (props.rank, props.nRanks) != (self.rank, self.size):
+            raise NcclError(
+                f"ncclCommProperties_t of NCCL {version_text(nccl_version())} does not have "
+                f"the layout TIDE reads (rank {props.rank} of {props.nRanks} read back for "
+                f"{self.rank} of {self.size}); the one-sided path is not used"
+            )
         return bool(props.hostRmaSupport)
 
     def allocate(self, nbytes: int) -> RmaMemory:
