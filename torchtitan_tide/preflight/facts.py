@@ -129,9 +129,13 @@ def rank_facts(device: torch.device, rank: int) -> dict[str, Any]:
             built = ".".join(str(v) for v in torch.cuda.nccl.version()[:3])
         except (RuntimeError, AttributeError) as exc:
             built = f"unknown ({exc})"
+        try:
+            path = nccl_rma.library_path()
+        except nccl_rma.NcclError as exc:  # several libnccl mapped: which one torch calls
+            path = f"ambiguous: {exc}"
         facts.update(
             nccl=nccl_rma.version_text(nccl_rma.nccl_version()),
-            nccl_path=nccl_rma.library_path(),
+            nccl_path=path,
             nccl_torch_build=built,
             driver=_driver(lib),
             gpu=props.name,

@@ -267,7 +267,13 @@ def run(args: list[str]) -> int:
         pf.rows += rates.prediction_rows(result, text, layout.world_size)
 
     pf.check("rates", check_rates)
-    status = pf.finish() if is_root else 0
+
+    def finish() -> int:
+        status = pf.finish() if is_root else 0
+        control.barrier()  # the process groups end together (after rank 0's simulator run)
+        return status
+
+    status = pf.check("finish", finish)
     dist.destroy_process_group()
     return status
 

@@ -91,7 +91,10 @@ def _time(fn, group: dist.ProcessGroup, device: torch.device, prepare=None) -> f
     for i in range(WARMUP[kind] + ITERS[kind]):
         if prepare is not None:
             prepare()
-        dist.barrier(group=group)
+        if device.type == "cuda":
+            dist.barrier(group=group, device_ids=[device.index])
+        else:
+            dist.barrier(group=group)
         _sync(device)
         t0 = time.perf_counter()
         fn()
