@@ -21,6 +21,7 @@ from test_launch import dry_main
 from train_helpers import REPO, cpu_env
 
 from torchtitan_tide.comm.watchdog import FAILURES_FILE
+from torchtitan_tide.config import Tide
 from torchtitan_tide.preflight import facts, one_sided, rates
 from torchtitan_tide.preflight.report import EXIT_TIMEOUT, Row, failure_lines, ranks_text, table
 from torchtitan_tide.simulator.cluster import load_cluster
@@ -99,6 +100,17 @@ def test_a_received_slot_is_classified_by_what_it_holds():
     torn = one_sided._payload(pair, 5, numel, torch.device("cpu"))
     torn[7] = 0
     assert code(torn) == one_sided.CORRUPT
+
+
+def test_one_sided_unavailable_fails_only_where_the_config_asks_for_it():
+    gathered = [{"tier": [0, 1], "skip": "NCCL 2.28.9 is loaded; needs NCCL >= 2.29",
+                 "error": None, "fault": None, "counts": {}, "transport": "NCCL 2.28.9"}] * 2
+    (auto,) = one_sided.rows(gathered, Tide(comm="tide"))
+    assert (auto.status, auto.what) == ("skip", "cross-node puts")
+    assert "TIDE's 'auto' takes send/recv" in auto.detail
+    (asked,) = one_sided.rows(gathered, Tide(comm="tide", cross_node_transport="nccl_one_sided"))
+    assert (asked.status, asked.ranks) == ("FAIL", [0, 1])
+    assert "cross_node_transport = 'nccl_one_sided' needs it" in asked.fix
 
 
 def test_cluster_file_is_one_the_simulator_reads(tmp_path):

@@ -52,7 +52,9 @@ class SmallModel(nn.Module):
         h = self.emb(tokens)
         for layer in self.layers:
             h = layer(h)
-        return self.head(self.norm(h))
+        # a fresh tensor, not a view of the matmul's output (FSDP2 warns of views returned
+        # by a root module: in-place ops on them would skip its pre-backward hook)
+        return self.head(self.norm(h)).clone()
 
 
 def shapes_for(group_size: int) -> tuple[int, int]:

@@ -260,6 +260,7 @@ def run(layout: JobLayout, wait_s: float) -> dict[str, Any]:
         results = torch.full((ROUNDS[kind], len(tier)), OK, dtype=torch.int64, device=device)
         if kind == "cuda":
             stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))  # `results` filled first
             with torch.cuda.stream(stream):
                 _rounds(comm, made["slots"], me, len(tier), ROUNDS[kind], sizes, results, stream)
                 done = stream.record_event()

@@ -118,7 +118,10 @@ def _block(shapes, mesh, job_config, device: torch.device) -> RateBlock:
 
 
 def _module_times(block: RateBlock, group, device) -> tuple[float, float]:
-    """(unshard ms, backward ms) of ``block``."""
+    """(unshard ms, backward ms) of ``block``, after one forward and backward (FSDP's lazy
+    initialization, through the public API)."""
+    block().backward()
+    block.zero_grad(set_to_none=True)
     ag = _time(block.unshard, group, device, prepare=block.reshard)
     state: dict[str, torch.Tensor] = {}
 
