@@ -61,11 +61,18 @@ def _expire(check: str, budget_s: float, rank: int, dump_folder: str,
     if on_timeout is not None:
         with contextlib.suppress(Exception):  # the report below must still be written
             on_timeout(message)
+    end_rank(message, dump_folder, EXIT_TIMEOUT)
+
+
+def end_rank(message: str, dump_folder: str, status: int) -> None:
+    """Report ``message`` (log, torchrun's error file, ``tide_failures.txt``), abort the
+    process groups (bounded: an abort that hangs does not keep the rank alive) and exit
+    with ``status``."""
     watchdog.report(message, dump_folder)
     aborter = threading.Thread(target=watchdog.abort_process_groups, daemon=True)
     aborter.start()
     aborter.join(_ABORT_WAIT_S)
-    os._exit(EXIT_TIMEOUT)
+    os._exit(status)
 
 
 @contextlib.contextmanager

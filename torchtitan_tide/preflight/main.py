@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torchtitan_tide.comm import watchdog
 from torchtitan_tide.preflight import facts, one_sided, parity, paths, rates
 from torchtitan_tide.preflight import model as small
-from torchtitan_tide.preflight.bounds import Control, bounded, check_timeout_s
+from torchtitan_tide.preflight.bounds import Control, bounded, check_timeout_s, end_rank
 from torchtitan_tide.preflight.layout import JobLayout, job_layout
 from torchtitan_tide.preflight.report import (
     EXIT_FAILED,
@@ -76,9 +76,7 @@ class Preflight:
                 message = (f"preflight: rank {self.rank}: check '{name}' raised "
                            f"{type(exc).__name__}: {exc}")  # fmt: skip
                 self.partial(message)
-                watchdog.report(message, self.dump_folder)
-                watchdog.abort_process_groups()
-                os._exit(EXIT_FAILED)
+                end_rank(message, self.dump_folder, EXIT_FAILED)
 
     def partial(self, message: str) -> None:
         """Rank 0: print and write the rows so far, with ``message`` (a check that did not
@@ -220,15 +218,16 @@ def run(args: list[str]) -> int:
 
     pf.check("parity", check_parity)
 
-    def check_one_sided() -> dict[str, Any]:
+    def check_one_sided() -> list[dict[str, Any]]:
         outcome = one_sided.run(layout, wait_s=min(60.0, budget / 2))
         gathered = control.gather(outcome, "one_sided")
         if is_root:
             pf.extra["one_sided"] = gathered
             pf.rows += one_sided.rows(gathered, tide)
-        return outcome
+        return gathered
 
     sided = pf.check("one_sided", check_one_sided)
+    stuck = [r for r, g in enumerate(sided) if g["stuck"]]
 
     def check_rates() -> None:
         shapes, error = None, None
@@ -238,7 +237,9 @@ def run(args: list[str]) -> int:
             except ValueError as exc:  # FsdpGroupsError: a layout the group model does not cover
                 error = f"the config's FSDP groups: {exc}"
         shapes, error = control.gather((shapes, error), "rates shapes")[0]
-        skipped = no_fsdp or error
+        skipped = no_fsdp or error or (
+            f"not run: a one-sided wait of rank(s) {stuck} never ended, a device stream still "
+            "waits (see one_sided)" if stuck else None)  # fmt: skip
         measured = [] if skipped else rates.run(layout, job_config, tide, shapes[1])
         gathered = control.gather(measured, "rates")
         if not is_root:
@@ -257,7 +258,7 @@ def run(args: list[str]) -> int:
                            f"{cluster['path']}: gpus_per_node {cluster['gpus_per_node']}, "
                            f"nic_gbps_per_gpu {cluster['nic_gbps_per_gpu']:.4g}, NCCL "
                            f"{cluster['nccl_version']} ({'; '.join(cluster['notes'])})"))  # fmt: skip
-        one_sided_ran = sided is not None and not sided["skip"] and not sided["error"]
+        one_sided_ran = not any(g["skip"] or g["error"] for g in sided)
         result, text = rates.predict(job_config.job.config_file, layout.world_size,
                                      folder / f"cluster-{pf.stamp}.toml",
                                      folder / f"simulator-{pf.stamp}.json", tide,

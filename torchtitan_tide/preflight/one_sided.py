@@ -177,7 +177,8 @@ def run(layout: JobLayout, wait_s: float) -> dict[str, Any]:
     tier = layout.tier_ranks()
     kind = "cuda" if device.type == "cuda" else "cpu"
     out: dict[str, Any] = {"tier": list(tier), "skip": None, "error": None, "host_rma": None,
-                           "fault": None, "counts": {}, "rounds": ROUNDS[kind]}  # fmt: skip
+                           "fault": None, "counts": {}, "rounds": ROUNDS[kind],
+                           "stuck": False}  # fmt: skip
     reason = _why_not(layout, tier)
     fault = planted_fault(rank)
     if kind == "cuda":
@@ -265,7 +266,7 @@ def run(layout: JobLayout, wait_s: float) -> dict[str, Any]:
                 _rounds(comm, made["slots"], me, len(tier), ROUNDS[kind], sizes, results, stream)
                 done = stream.record_event()
             if not _wait_event(done, wait_s):
-                made["stuck"] = True
+                out["stuck"] = True  # a stream still waits: no later check syncs the device
                 raise TimeoutError(f"the {ROUNDS[kind]} rounds with the tier's peers did not "
                                    f"complete within {wait_s:.0f} s (a put or signal never "
                                    "arrived)")  # fmt: skip
@@ -285,9 +286,9 @@ def run(layout: JobLayout, wait_s: float) -> dict[str, Any]:
                 hits = (column == code).nonzero().flatten().tolist()
                 if hits:
                     out["counts"].setdefault(sender, {})[code] = (len(hits), hits[0])
-    if comm is not None:
+    if comm is not None:  # finalize only a communicator every rank of the tier used fully
         with contextlib.suppress(Exception):
-            comm.abort() if (out["error"] or made.get("stuck")) else comm.destroy()
+            comm.abort() if (out["error"] or out["skip"]) else comm.destroy()
     control.barrier()
     if first and kind == "cpu" and uid is not None:
         shutil.rmtree(uid.rstrip(b"\0").decode(), ignore_errors=True)  # the stand-in's files
