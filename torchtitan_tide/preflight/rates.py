@@ -56,9 +56,11 @@ MIB = 2**20
 class RateBlock(nn.Module):
     """Parameters of the given shapes; the forward sums them (gradients: ones)."""
 
-    def __init__(self, shapes: list[tuple[int, ...]]) -> None:
+    def __init__(self, shapes: list[tuple[int, ...]], device: torch.device) -> None:
         super().__init__()
-        self.weights = nn.ParameterList(nn.Parameter(torch.randn(s) * 0.02) for s in shapes)
+        # made on the device: a whole FSDP group of a 70B layer is GBs of host memory per rank
+        self.weights = nn.ParameterList(
+            nn.Parameter(torch.empty(s, device=device).normal_(0.0, 0.02)) for s in shapes)
 
     def forward(self) -> torch.Tensor:
         return sum(w.float().sum() for w in self.weights)
@@ -108,7 +110,7 @@ def _block(shapes, mesh, job_config, device: torch.device) -> RateBlock:
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(7)
-    block = RateBlock(shapes).to(device)
+    block = RateBlock(shapes, device)
     fully_shard(block, mesh=mesh, mp_policy=small.mp_policy(job_config),
                 reshard_after_forward=False)  # fmt: skip
     block.set_gradient_divide_factor(1.0)
