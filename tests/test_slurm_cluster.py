@@ -8,7 +8,9 @@ n1 and n2 (two slurmd on this machine, everything on 127.0.0.1), the debug model
 2. the job trains to the end with the losses of a single-node 4-rank run of the same config
    (``tide``: 2 nodes x 2 ranks as TIDE sees them, cross-node phases over gloo; ``fsdp2``);
 3. ``scancel`` leaves no process of the job on either node and no partial checkpoint that a
-   resume would take for a good one.
+   resume would take for a good one;
+4. ``train.sbatch --preflight`` runs the preflight on both nodes (TIDE: 2 nodes x 2, the
+   one-sided stress between the cross-node pairs on the CPU stand-in) and passes.
 
 The cluster is the one SLURM_CONF names when local_cluster.sh started it (.ci/run does),
 else one started here (and stopped at the end). The tests skip only when local_cluster.sh
@@ -145,16 +147,17 @@ class Job:
         return self.output.read_text(errors="replace") if self.output.exists() else ""
 
 
-def submit(cluster: Cluster, tmp_path: Path, comm: str, *sbatch_options: str) -> Job:
+def submit(cluster: Cluster, tmp_path: Path, comm: str, *sbatch_options: str,
+           script_args: tuple[str, ...] = ()) -> Job:  # fmt: skip
     """``CONFIG=debug_model ... sbatch --nodes=2 --gpus-per-node=0 [options] train.sbatch RUN``
-    from the repository, as the README's CPU example."""
+    (then ``script_args``) from the repository, as the README's CPU example."""
     folder, output = tmp_path / "run", tmp_path / "job.out"
     env = cpu_env(RANKS_PER_NODE, SLURM_CONF=str(cluster.conf), CONFIG="debug_model",
                   DUMP_FOLDER=str(folder), MASTER_PORT=str(free_port()))  # fmt: skip
     submitted = time.time()
     result = subprocess.run(
         ["sbatch", "--parsable", *CPU_PARTITION, f"--output={output}", *sbatch_options,
-         str(SBATCH), *RUN, "--tide.comm", comm],
+         str(SBATCH), *RUN, "--tide.comm", comm, *script_args],
         capture_output=True, text=True, env=env, cwd=REPO, timeout=60, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -323,3 +326,20 @@ def test_scancel_leaves_no_process_and_no_partial_checkpoint_taken_for_good(clus
     if chosen >= 0:  # what a resume loads is complete, and verified where it has a manifest
         assert (checkpoint / f"step-{chosen}" / ".metadata").is_file()
     wait_for(lambda: set(cluster.node_states().values()) == {"idle"}, 60, "nodes idle", job)
+
+
+def test_preflight_through_sbatch_on_two_nodes(cluster, tmp_path):
+    job = submit(cluster, tmp_path, "tide", script_args=("--preflight",))
+    state = wait_finished(cluster, job)
+    output = job.text()
+    assert state["JobState"] == "COMPLETED", (state, output[-6000:])
+    assert "config debug_model, preflight (checks, no training)" in output, output[:2000]
+    assert "0: [rank0]:| preflight | result | ok | every check passed |" in output, output[-6000:]
+    (path,) = (job.folder / "preflight").glob("preflight-*.json")
+    record = json.loads(path.read_text())
+    rows = {(r["check"], r["what"]): r for r in record["rows"]}
+    assert "4 ranks on 2 launcher node(s)" in rows["ranks", "world"]["detail"]
+    assert "2 nodes x 2" in rows["ranks", "TIDE nodes"]["detail"]
+    assert "2 tier(s), 2 pair(s)" in rows["one_sided", "transport"]["detail"]
+    assert rows["parity", "losses and sharded gradients"]["status"] == "ok"
+    assert not list(job.folder.glob("checkpoint*")), "the preflight trained"

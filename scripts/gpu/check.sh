@@ -15,6 +15,12 @@
 #                 2. `-m "gpu and emulation and one_node"` (ranks of ONE NCCL node sharing the
 #                    GPU, the one-sided transport) with .nccl/'s NCCL (>= 2.30) swapped in for
 #                    them (scripts/gpu/nccl_swap.sh; restored after); skipped without .nccl/
+#   preflight     run_train.sh --preflight in the emulation (tests/test_preflight_gpu.py)  ~2-3 min
+#                 1. `-m "gpu and preflight and not one_node"`, bundled NCCL: 2 emulated nodes over
+#                    sockets; every check passes, one-sided reported unavailable with its reason
+#                 2. `-m "gpu and preflight and one_node"` with .nccl/'s NCCL swapped in: 2 ranks
+#                    as ONE NCCL node, the one-sided stress check on the copy-engine path
+#                 the tables land in $LOGS/preflight_*.log (and in summary.md)
 #   cross_node    bench_cross_node: NCCL kernels, SM-ms and wire bytes of TIDE's cross-node
 #                 path (p2p, one-sided; fp32 and bf16 RS wire) vs fsdp2, two emulated nodes
 #                 on GPU 0 that NCCL sees as one node (.nccl/'s NCCL swapped in)     ~1.5 min
@@ -62,7 +68,7 @@ cd "$REPO"
 OUT="${OUT:-/tmp/tide_check}"
 LOGS=/tmp/tide_logs
 mkdir -p "$OUT" "$LOGS" bench/results
-STAGES="${STAGES:-tests emulation cross_node floor trace train step bench accumulate collectives interference report}"
+STAGES="${STAGES:-tests emulation preflight cross_node floor trace train step bench accumulate collectives interference report}"
 FLOOR_CONFIGS="${FLOOR_CONFIGS:-h200x2_llama70b_4layers h200x2_qwen3_30b_a3b_4layers h200x2_wan22_a14b_20layers}"
 MODES="${MODES:-fsdp2,symm_mem,tide}"
 MARK="$LOGS/.start"
@@ -130,18 +136,34 @@ bundled_nccl_back() {
 if has emulation; then
   run nccl_bundled 60 python3 scripts/gpu/nccl_version.py
   note "  $(nccl_line "$LOGS/nccl_bundled.log")"
-  run emulation_nodes 300 python3 -m pytest -q -m "gpu and emulation and not one_node and not nxl" tests \
-    -p no:cacheprovider
+  run emulation_nodes 300 python3 -m pytest -q \
+    -m "gpu and emulation and not one_node and not preflight and not nxl" tests -p no:cacheprovider
   note "  $(tail -1 "$LOGS/emulation_nodes.log")"
   if [[ -d .nccl ]]; then
     # The newer NCCL only for this sub-stage: torch 2.11's symm_mem mode needs the bundled one.
     run emulation_one_node 240 bash scripts/gpu/nccl_swap.sh .nccl -- bash -c \
-      'python3 scripts/gpu/nccl_version.py && python3 -m pytest -q -m "gpu and emulation and one_node and not nxl" tests -p no:cacheprovider'
+      'python3 scripts/gpu/nccl_version.py && python3 -m pytest -q -m "gpu and emulation and one_node and not preflight and not nxl" tests -p no:cacheprovider'
     note "  $(nccl_line "$LOGS/emulation_one_node.log")"
     note "  $(grep -E '(passed|failed|skipped|error)' "$LOGS/emulation_one_node.log" | tail -1)"
     bundled_nccl_back nccl_restored
   else
     note "emulation_one_node: skipped (no .nccl/ with NCCL >= 2.30: carry it, docs/2026-12-02-emulation.md)"
+  fi
+fi
+
+if has preflight; then
+  [[ -f "$LOGS/nccl_bundled.log" ]] || run nccl_bundled 60 python3 scripts/gpu/nccl_version.py
+  run preflight_nodes 240 python3 -m pytest -q -rA -m "gpu and preflight and not one_node" \
+    tests/test_preflight_gpu.py -p no:cacheprovider
+  note "  $(tail -1 "$LOGS/preflight_nodes.log")"
+  if [[ -d .nccl ]]; then
+    run preflight_one_node 240 bash scripts/gpu/nccl_swap.sh .nccl -- bash -c \
+      'python3 scripts/gpu/nccl_version.py && python3 -m pytest -q -rA -m "gpu and preflight and one_node" tests/test_preflight_gpu.py -p no:cacheprovider'
+    note "  $(nccl_line "$LOGS/preflight_one_node.log")"
+    note "  $(grep -E '(passed|failed|skipped|error)' "$LOGS/preflight_one_node.log" | tail -1)"
+    bundled_nccl_back nccl_restored_preflight
+  else
+    note "preflight_one_node: skipped (no .nccl/ with NCCL >= 2.30: carry it)"
   fi
 fi
 
@@ -288,6 +310,9 @@ fi
   for md in $(find bench/results "$LOGS/debug_model" -maxdepth 1 -name '*.md' \
       ! -name '*_report.md' -newer "$MARK" 2>/dev/null | sort); do
     echo "### $(basename "$md")"; grep '^| ' "$md" | head -14; echo
+  done
+  for log in "$LOGS"/preflight_nodes.log "$LOGS"/preflight_one_node.log; do
+    [[ -f "$log" ]] && sed -n '/^=== preflight/,/^=== end ===/p' "$log" | head -60
   done
   echo "## Summary"
   printf '%s\n' "${table[@]}"

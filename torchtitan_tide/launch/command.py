@@ -1,4 +1,6 @@
-"""The command the launcher runs: torchrun over ``torchtitan_tide.train``, and its environment.
+"""The command the launcher runs: torchrun over ``torchtitan_tide.train`` (or, with
+``--preflight``, ``torchtitan_tide.preflight``: the same world, checks instead of training),
+and its environment.
 
 ``comm = "symm_mem"`` also gets ``NCCL_CTA_POLICY=2`` (NCCL's zero-CTA policy, read when a
 communicator is created: the all-gather then runs on copy engines) unless the environment
@@ -31,6 +33,8 @@ MULTICAST_OFF = {
 SYMM_MEM_ENV = {"NCCL_CTA_POLICY": "2"}
 
 COLOR_KEY = "metrics.disable_color_printing"
+TRAIN_ENTRY = "torchtitan_tide.train"
+PREFLIGHT_ENTRY = "torchtitan_tide.preflight"  # run_train.sh --preflight
 
 
 def plain_log_args(table: dict, values: dict[str, str], stdout_is_terminal: bool) -> list[str]:
@@ -46,10 +50,13 @@ def plain_log_args(table: dict, values: dict[str, str], stdout_is_terminal: bool
     return [] if stdout_is_terminal or user_set else [f"--{COLOR_KEY}"]
 
 
-def torchrun_command(world: World, config_path: Path, overrides: list[str]) -> list[str]:
-    """torchrun (``torchtitan_tide.torchrun``) over the train entry on ``world``, the
-    trainer getting ``config_path`` and ``overrides``; ``LOG_RANK`` picks the local ranks
-    whose output is shown (default 0; "all")."""
+def torchrun_command(
+    world: World, config_path: Path, overrides: list[str], entry: str = TRAIN_ENTRY
+) -> list[str]:
+    """torchrun (``torchtitan_tide.torchrun``) over the module ``entry`` (the trainer, or
+    :data:`PREFLIGHT_ENTRY`) on ``world``, getting ``config_path`` and ``overrides`` as the
+    trainer would; ``LOG_RANK`` picks the local ranks whose output is shown (default 0;
+    "all")."""
     log_rank = os.environ.get("LOG_RANK", "0")
     cmd = [
         sys.executable,
@@ -68,7 +75,7 @@ def torchrun_command(world: World, config_path: Path, overrides: list[str]) -> l
         cmd += ["--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0"]
     if log_rank != "all":
         cmd += [f"--local-ranks-filter={log_rank}"]
-    cmd += ["--role=rank", "--tee=3", "-m", "torchtitan_tide.train"]
+    cmd += ["--role=rank", "--tee=3", "-m", entry]
     return cmd + trainer_args(config_path, overrides)
 
 

@@ -1,8 +1,9 @@
 """The launcher's command line: the config it names, the overrides and their values.
 
-``run_train.sh --config NAME[.toml] [--dry-run] [--section.key value ...]``: NAME is looked
-up in ``train_configs/`` first, then as a path (:func:`resolve_config`); the overrides go
-to TorchTitan unchanged, booleans rewritten to the flag form its parser takes
+``run_train.sh --config NAME[.toml] [--dry-run] [--preflight] [--section.key value ...]``:
+NAME is looked up in ``train_configs/`` first, then as a path (:func:`resolve_config`);
+``--preflight`` runs the preflight checks instead of training (``torchtitan_tide/preflight``);
+the overrides go to TorchTitan unchanged, booleans rewritten to the flag form its parser takes
 (:func:`normalize_bool_flags`). The train entry reads its own arguments with the same
 functions (``torchtitan_tide/train.py``).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import typing
 from dataclasses import fields
 from pathlib import Path
+from typing import NamedTuple
 
 from torchtitan_tide.launch.errors import LaunchError
 
@@ -39,9 +41,20 @@ def resolve_config(name: str, config_dir: Path = REPO_CONFIG_DIR) -> Path:
     )
 
 
-def split_args(argv: list[str]) -> tuple[str, bool, list[str]]:
-    """Return (config name, dry_run, overrides passed to TorchTitan)."""
-    config, dry_run, overrides = None, False, []
+class LaunchArgs(NamedTuple):
+    """The launcher's own arguments and the overrides it passes on."""
+
+    config: str
+    dry_run: bool
+    preflight: bool
+    """Run the preflight checks (``python -m torchtitan_tide.preflight``) instead of training."""
+    overrides: list[str]
+
+
+def split_args(argv: list[str]) -> LaunchArgs:
+    """The launcher's arguments (``--config``, ``--dry-run``, ``--preflight``) and the
+    overrides passed to TorchTitan."""
+    config, dry_run, preflight, overrides = None, False, False, []
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -55,6 +68,8 @@ def split_args(argv: list[str]) -> tuple[str, bool, list[str]]:
                 raise LaunchError("--config needs a value: --config NAME.toml")
         elif arg == "--dry-run":
             dry_run = True
+        elif arg == "--preflight":
+            preflight = True
         elif arg.split("=", 1)[0] in ("--job.config_file", "--job.config-file"):
             raise LaunchError("use --config NAME instead of --job.config_file with run_train.sh")
         else:
@@ -65,7 +80,7 @@ def split_args(argv: list[str]) -> tuple[str, bool, list[str]]:
             "missing --config; e.g. ./run_train.sh --config debug_model.toml "
             f"(configs live in {REPO_CONFIG_DIR}; ./run_train.sh --help for usage)"
         )
-    return config, dry_run, overrides
+    return LaunchArgs(config, dry_run, preflight, overrides)
 
 
 def override_values(overrides: list[str]) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """What ``run_train.sh`` runs: resolve a config, print the run, start torchrun.
 
-    ./run_train.sh --config NAME[.toml] [--dry-run] [--section.key value ...]
+    ./run_train.sh --config NAME[.toml] [--dry-run] [--preflight] [--section.key value ...]
 
 NAME is looked up in ``train_configs/`` first, then as a path. Overrides go to
 TorchTitan unchanged (its ``--section.key value`` syntax). The world comes from the
@@ -21,6 +21,14 @@ TIDE_LOG_ALL    "1" shows the known-harmless messages the training entry hides
 all-gather then runs on copy engines) unless the environment sets another value, which is
 kept with a warning. When stdout is not a terminal (a batch job's log file) TorchTitan's
 colour codes are off unless the run sets ``metrics.disable_color_printing``.
+
+``--preflight`` runs, on the same world and config, checks of TIDE's assumptions instead of
+training (``torchtitan_tide/preflight``; README "Before the first real run"): what each rank
+has (torch, NCCL, driver, GPU, nodes), which path each tier gets, the one-sided protocol
+under stress, sharded gradients of ``tide`` vs ``fsdp2``, and collective rates with the
+simulator's prediction for this cluster. Rank 0 prints one table and writes it as JSON under
+``<dump_folder>/preflight/``; the exit status is non-zero when a check fails (the failed
+check, rank and fix are named). ``TIDE_PREFLIGHT_TIMEOUT_S`` bounds each check (default 300).
 
 ``--dry-run`` prints the summary and the command without running it; ``--help`` prints
 this text (standard library only: it works before the install). Booleans take any of
@@ -43,6 +51,8 @@ import time
 from torchtitan_tide.launch.checks import check_run
 from torchtitan_tide.launch.command import (
     MULTICAST_OFF,
+    PREFLIGHT_ENTRY,
+    TRAIN_ENTRY,
     comm_env,
     command_env,
     plain_log_args,
@@ -78,12 +88,16 @@ def main(argv: list[str] | None = None) -> int:
     if any(arg in ("-h", "--help") for arg in argv):
         return print_help()
     try:
-        config_name, dry_run, overrides = split_args(argv)
-        config_path = resolve_config(config_name)
+        args = split_args(argv)
+        config_path = resolve_config(args.config)
         world = detect_world()
-        run = check_run(config_path, overrides, world)
+        run = check_run(config_path, args.overrides, world)
         env_updates, env_notes = comm_env(run.tide.comm, os.environ)  # as the train entry
         print(summary(config_path, world, run, env_notes), flush=True)
+        if args.preflight:
+            print("[run_train] preflight   checks of TIDE's assumptions on this world instead "
+                  "of training; one table at the end, JSON under "
+                  f"{run.job_config.job.dump_folder}/preflight/", flush=True)  # fmt: skip
         for note in env_notes:
             if note.startswith("WARNING"):
                 print(f"run_train.sh: {note}", file=sys.stderr, flush=True)
@@ -95,10 +109,12 @@ def main(argv: list[str] | None = None) -> int:
               "(README, Quick start)", file=sys.stderr)
         return 2
     plain = plain_log_args(run.table, run.values, sys.stdout.isatty())
-    cmd = torchrun_command(world, config_path, [*plain, *run.overrides])
+    entry = PREFLIGHT_ENTRY if args.preflight else TRAIN_ENTRY
+    cmd = torchrun_command(world, config_path, [*plain, *run.overrides], entry)
     print("[run_train] " + shlex.join(cmd), flush=True)
-    if dry_run:
-        print("[run_train] dry run: nothing started (drop --dry-run to train)", flush=True)
+    if args.dry_run:
+        print("[run_train] dry run: nothing started (drop --dry-run to "
+              f"{'run the preflight' if args.preflight else 'train'})", flush=True)  # fmt: skip
         return 0
     env = command_env(world, os.environ, env_updates)
     print("[run_train] multicast: " + " ".join(f"{k}={env[k]}" for k in MULTICAST_OFF), flush=True)

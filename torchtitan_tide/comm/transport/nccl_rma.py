@@ -393,12 +393,14 @@ class RmaComm:
         """Free memory from :meth:`allocate` that was not registered."""
         _library().ncclMemFree(ctypes.c_void_p(memory.ptr))
 
-    def register(self, memory: RmaMemory) -> RmaWindow:
-        """Register ``memory`` (from :meth:`allocate`) as a symmetric window. Collective:
-        every rank, same size, same order. The window owns the memory from here on
-        (:meth:`destroy` / :meth:`abort` free it). Raises :class:`NcclError` when NCCL
-        returns a NULL window (it does so, with success, where the communicator has no host
-        RMA), after freeing the memory."""
+    def register(self, memory: RmaMemory | int) -> RmaWindow:
+        """Register ``memory`` (from :meth:`allocate`; a byte count: allocate it here first)
+        as a symmetric window. Collective: every rank, same size, same order. The window owns
+        the memory from here on (:meth:`destroy` / :meth:`abort` free it). Raises
+        :class:`NcclError` when NCCL returns a NULL window (it does so, with success, where
+        the communicator has no host RMA), after freeing the memory."""
+        if isinstance(memory, int):
+            memory = self.allocate(memory)
         lib = _library()
         handle = ctypes.c_void_p()
         with torch.cuda.device(self.device):
