@@ -244,7 +244,9 @@ def measure(op: Callable[[], None], side: Callable[[], None], units: int, n: int
         torch.cuda.synchronize(device)
         lo, hi = origin.elapsed_time(s0), origin.elapsed_time(s1)
         spans = [(origin.elapsed_time(s), origin.elapsed_time(e)) for s, e in first + rest]
-        pair.beside.append([(pos, b - a) for pos, (a, b) in enumerate(spans) if a >= lo and b <= hi])
+        pair.beside.append(
+            [(pos, b - a) for pos, (a, b) in enumerate(spans) if a >= lo and b <= hi]
+        )
         pair.side_beside.append(hi - lo)
         pair.covered.append(hi <= spans[-1][1])
     return pair

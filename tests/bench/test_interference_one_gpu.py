@@ -16,7 +16,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench"
 sys.path.insert(0, str(BENCH))
-import interference_one_gpu as one  # noqa: E402
+import interference_one_gpu as one
 
 
 def test_rows_compare_compute_at_the_same_burst_positions():

@@ -235,7 +235,9 @@ def test_symm_mem_generations_and_one_sided_transport():
     cross = network.message_ms(s * 4, new.net_gibps, 1, NET_STEP_US)
     local = network.message_ms(7 * 2 * s * 4, 1.0, 1, NVLINK_STEP_US)
     assert names_new["layers.0.rs"].duration_ms == pytest.approx(max(cross, local))
-    assert names_new["layers.0.rs"].stream == "nccl" and names_new["layers.0.rs"].kind == "nccl_symk"
+    assert (
+        names_new["layers.0.rs"].stream == "nccl" and names_new["layers.0.rs"].kind == "nccl_symk"
+    )
     assert names_new["layers.0.fwd.ag"].kind == "ce"  # zero-SM hierarchical all-gather
     # TIDE across nodes: NCCL p2p phases slow compute like NCCL kernels; one-sided does not
     p2p = {s.op.name: s for s in sim.simulate_step(groups, ins, "tide", lay, old, DTYPES)[1]}
@@ -312,7 +314,10 @@ def test_inputs_name_their_sources_and_charge_each_part_once():
     ins = inputs.build_inputs(cm, inputs.RESULTS, None, 0.4)
     for key in ("compute", "optimizer", "host", "transport", "interference", "accumulate",
                 "layout", "cross_node", "copy", "class_weights"):  # fmt: skip
-        assert ".json" in ins.sources[key] or key in ("host", "class_weights"), (key, ins.sources[key])
+        assert ".json" in ins.sources[key] or key in ("host", "class_weights"), (
+            key,
+            ins.sources[key],
+        )
     assert 3000 < ins.accumulate_gibps < 4500 and 1500 < ins.copy_gibps < 2500
     # transports from their own device time: stock's NCCL kernels faster than the call
     assert ins.transport_gibps["fsdp2"]["ag"] > 155.1 and ins.transport_gibps["fsdp2"]["rs"] > 186.5

@@ -220,9 +220,9 @@ def test_8_compute_scales_with_attention_and_activation_checkpointing():
     assert compute.recompute_fraction({"mode": "none"}, shares)[0] == 0.0
     assert compute.recompute_fraction({"mode": "full"}, shares)[0] == 1.0
     assert compute.recompute_fraction({"mode": "selective"}, shares)[0] == 0.5  # every 2nd
-    assert compute.recompute_fraction(
-        {"mode": "selective", "selective_ac_option": "op"}, shares
-    )[0] == pytest.approx(1 - 0.2 - 0.5 * 0.6)
+    assert compute.recompute_fraction({"mode": "selective", "selective_ac_option": "op"}, shares)[
+        0
+    ] == pytest.approx(1 - 0.2 - 0.5 * 0.6)
     with pytest.raises(inputs.SimulateError, match="memory_budget"):
         compute.recompute_fraction({"mode": "memory_budget"}, shares)
     full = replace(cm, table={**cm.table, "activation_checkpoint": {"mode": "full"}})

@@ -102,6 +102,8 @@ WORLD1_RECORDED_SOURCE = (
     "issue 21: bench_step at world 1 on one H200 (8d17df0), profiled step breakdown "
     "(docs/2026-12-01-simulator.md)"
 )
+
+
 @dataclass(frozen=True)
 class Inputs:
     """Everything but the groups and the cluster; ``sources`` says where each came from.
@@ -675,8 +677,7 @@ def engine_inputs(
         g_ce, ce_source = 0.0, "no profiled 2-GPU step of this model: copy engine not stretched"
     table = itf.figure_table(results_dir, g_ce, ce_source)
     weights = {
-        (dense if cls not in (itf.ATTENTION, itf.GROUPED) else cls): w
-        for cls, w in shares.items()
+        (dense if cls not in (itf.ATTENTION, itf.GROUPED) else cls): w for cls, w in shares.items()
     }
     if itf.GROUPED in weights and not getattr(getattr(cm.model_args, "moe_args", None),
                                               "use_grouped_mm", False):  # fmt: skip

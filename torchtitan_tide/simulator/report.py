@@ -57,18 +57,28 @@ PAPER = (
 # What the paper's abstract does not state and the simulation has to assume.
 ASSUMPTIONS = (
     "node shape: 8 GPUs per node (8 x 8 at 64 GPUs); the abstract gives only '64 GPUs'",
-    "network: one 400 Gb/s NIC per GPU (8x400G), NCCL's flat ring across nodes for stock "
-    "FSDP2; sensitivity at 100 / 200 Gb/s",
-    "tokens per GPU: the configs' (Llama and Qwen3 8192 in one sequence, Wan2.2 one latent "
-    "of 32,760 tokens); sensitivity at 2048 / 4096 / 8192 (one sequence each)",
+    (
+        "network: one 400 Gb/s NIC per GPU (8x400G), NCCL's flat ring across nodes for stock "
+        "FSDP2; sensitivity at 100 / 200 Gb/s"
+    ),
+    (
+        "tokens per GPU: the configs' (Llama and Qwen3 8192 in one sequence, Wan2.2 one latent "
+        "of 32,760 tokens); sensitivity at 2048 / 4096 / 8192 (one sequence each)"
+    ),
     "activation checkpointing: full in every reference config (the abstract does not say)",
-    "precision: bf16 parameters and gradients, fp32 reduce (stock FSDP2 sends fp32), fp32 "
-    "master weights, fused AdamW",
-    "SymmMem baseline: NCCL 2.28.9 (measured on 2x H200) and NCCL 2.31.2 (hierarchical "
-    "zero-SM all-gather, LSA+GIN reduce-scatter: modeled from release notes); tide is "
-    "compared with the stronger",
-    "TIDE: the schedule the code runs (torchtitan_tide/comm/schedule.py CURRENT), fp32 "
-    "partials on the RS wire, send/recv across nodes unless a row says one-sided",
+    (
+        "precision: bf16 parameters and gradients, fp32 reduce (stock FSDP2 sends fp32), fp32 "
+        "master weights, fused AdamW"
+    ),
+    (
+        "SymmMem baseline: NCCL 2.28.9 (measured on 2x H200) and NCCL 2.31.2 (hierarchical "
+        "zero-SM all-gather, LSA+GIN reduce-scatter: modeled from release notes); tide is "
+        "compared with the stronger"
+    ),
+    (
+        "TIDE: the schedule the code runs (torchtitan_tide/comm/schedule.py CURRENT), fp32 "
+        "partials on the RS wire, send/recv across nodes unless a row says one-sided"
+    ),
     "H200 SXM GPUs at the power-capped clocks of the measured machines",
 )
 # Residuals no measured input explains (found by reading the committed profiles; no
@@ -265,7 +275,7 @@ def baseline_rows(results_dir: Path, cluster: Cluster, gpus: int = 64) -> list[d
                 **kw,
             )["rows"][0]["sim_step_ms"]  # fmt: skip
             out.append({"model": model, "gpus": gpus, "variant": label, **r})
-        _compare(out[-len(variants):])
+        _compare(out[-len(variants) :])
     return out
 
 
@@ -288,8 +298,13 @@ def ring_rs_symm_mem(inputs: Inputs) -> Inputs:
     """``inputs`` with symm_mem's reduce-scatter replaced by NCCL's ring (fsdp2's measured
     rate and the ring kernel's interference): symm_mem with only its all-gather in
     symmetric memory, what the public API allows on NCCL < 2.30.7 (not built)."""
-    transport = {**inputs.transport_gibps, "symm_mem": {
-        **inputs.transport_gibps["symm_mem"], "rs": inputs.transport_gibps["fsdp2"]["rs"]}}
+    transport = {
+        **inputs.transport_gibps,
+        "symm_mem": {
+            **inputs.transport_gibps["symm_mem"],
+            "rs": inputs.transport_gibps["fsdp2"]["rs"],
+        },
+    }
     engines = {**inputs.engines, "nccl_symk": inputs.engines["nccl"]}
     return replace(inputs, transport_gibps=transport, engines=engines)
 

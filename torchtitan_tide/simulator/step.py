@@ -34,9 +34,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from torchtitan_tide.comm import schedule as tide_schedule
 from torchtitan_tide.comm.memory_plan import GroupShape, group_shard_numel
 from torchtitan_tide.comm.options import RS_WIRE_ITEMSIZE
-from torchtitan_tide.comm import schedule as tide_schedule
 from torchtitan_tide.comm.schedule import TideSchedule
 from torchtitan_tide.simulator.cluster import GIB, Cluster
 from torchtitan_tide.simulator.engine import (
@@ -48,6 +48,15 @@ from torchtitan_tide.simulator.engine import (
     simulate,
     summarize,
 )
+from torchtitan_tide.simulator.inputs import (
+    MODES,
+    RESULTS,
+    GroupCompute,
+    Inputs,
+    SimulateError,
+    Workload,
+    build_inputs,
+)
 from torchtitan_tide.simulator.interference import CE, NCCL, NCCL_SYMK, NIC, SM_AG, SM_RS
 from torchtitan_tide.simulator.network import (
     NET_STEP_US,
@@ -58,15 +67,6 @@ from torchtitan_tide.simulator.network import (
     message_ms,
     node_local_gibps,
     ring_ms,
-)
-from torchtitan_tide.simulator.inputs import (
-    MODES,
-    RESULTS,
-    GroupCompute,
-    Inputs,
-    SimulateError,
-    Workload,
-    build_inputs,
 )
 
 __all__ = ["Layout", "TideModel", "build_ops", "simulate_config", "simulate_step"]
@@ -390,8 +390,9 @@ def breakdown(spans: Sequence[Span]) -> dict[str, float]:
         "bd_compute_ms": sum(s.op.duration_ms for s in work),
         "bd_sm_taken_ms": sum(s.lost_ms for s in work),
         "bd_layout_ms": sum(s.end_ms - s.start_ms for s in on_compute if s.op.kind == "layout"),
-        "bd_optimizer_ms": sum(s.end_ms - s.start_ms for s in on_compute
-                               if s.op.kind == "optimizer"),  # fmt: skip
+        "bd_optimizer_ms": sum(
+            s.end_ms - s.start_ms for s in on_compute if s.op.kind == "optimizer"
+        ),
         "bd_host_ms": sum(s.end_ms - s.start_ms for s in on_compute if s.op.kind == "host"),
         "bd_exposed_fwd_ms": exposed(0.0, bwd_start),
         "bd_exposed_bwd_ms": exposed(bwd_start, last),
