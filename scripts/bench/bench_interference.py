@@ -472,8 +472,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--one-gpu", action="store_true",
                     help="every compute class beside each engine on one GPU "
                          "(interference_one_gpu.py)")  # fmt: skip
-    ap.add_argument("--side-ms", type=float, default=4.0,
-                    help="--one-gpu: each side op repeated to about this many ms alone")  # fmt: skip
+    ap.add_argument(
+        "--side-ms", type=float, default=4.0,
+        help="--one-gpu: each side op repeated to about this many ms alone",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.one_gpu:
         import interference_one_gpu

@@ -309,7 +309,8 @@ def write(results: dict[str, Any], rows: list[dict[str, Any]], stem: str) -> int
                           "rows": rows}]  # fmt: skip
     results["headline"] = [
         common.headline_row(f"interference {r['compute']} (one GPU)",
-                            f"compute slowdown % beside {r['side']}", {"one_gpu": r["slowdown_pct"]})
+                            f"compute slowdown % beside {r['side']}",
+                            {"one_gpu": r["slowdown_pct"]})
         for r in rows if r.get("slowdown_pct") is not None
     ]  # fmt: skip
     meta = results["metadata"]

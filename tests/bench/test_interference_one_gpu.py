@@ -41,8 +41,8 @@ def test_burst_outlasts_the_side_op():
     assert one.burst_length(0.01, 2.0) == 8
     assert set(one.SIDES) == {"copy_engine", "nccl_like_24", "nccl_like_9", "cast_foreach",
                               "accumulate"}  # fmt: skip
-    assert set(one.COMPUTE) == set(one.SMALL_COMPUTE) == {"single_wave", "large",
-                                                          "grouped_experts", "attention"}  # fmt: skip
+    classes = {"single_wave", "large", "grouped_experts", "attention"}
+    assert set(one.COMPUTE) == set(one.SMALL_COMPUTE) == classes
 
 
 def test_nccl_like_kernel_copies_everything_in_the_interpreter():
@@ -60,8 +60,9 @@ def test_nccl_like_kernel_copies_everything_in_the_interpreter():
         print("ok")
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=dict(os.environ, TRITON_INTERPRET="1"), timeout=120, check=False)  # fmt: skip
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120, check=False)  # fmt: skip
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
 
 
@@ -91,7 +92,8 @@ def test_result_files_are_what_the_simulator_reads(tmp_path):
         for side in one.SIDES
     ]  # fmt: skip
     meta = {"date": "2026-12-05T00:00:00Z", "machine": "NVIDIA H200 x 1", "hostname": "h",
-            "torch": "2.11", "nccl": None, "cuda": "13.0", "commit": "abc1234", "world_size": 1}  # fmt: skip
+            "torch": "2.11", "nccl": None, "cuda": "13.0", "commit": "abc1234",
+            "world_size": 1}  # fmt: skip
     results = {"kind": "interference_one_gpu", "metadata": meta, "status": "complete",
                "config": {"reps": 1, "side_ms": 4.0}}  # fmt: skip
     stem = str(tmp_path / "2026-12-05_nvidia-h200-x-1_abc1234_interference_one_gpu")
@@ -113,9 +115,9 @@ def test_gpu_interference_one_gpu_small(tmp_path):
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
                NVSHMEM_DISABLE_NVLS="1", CUDA_VISIBLE_DEVICES=os.environ.get(
                    "CUDA_VISIBLE_DEVICES", "0").split(",")[0])  # fmt: skip
-    proc = subprocess.run([sys.executable, str(BENCH / "bench_interference.py"), "--one-gpu",
-                           "--small", "--reps", "2", "--out-dir", str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=300, check=False)  # fmt: skip
+    cmd = [sys.executable, str(BENCH / "bench_interference.py"), "--one-gpu", "--small",
+           "--reps", "2", "--out-dir", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (js,) = tmp_path.glob("*_interference_one_gpu_small.json")
     rows = json.loads(js.read_text())["tables"][0]["rows"]

@@ -78,7 +78,8 @@ def test_2_tide_cross_node_phases_are_slowed_as_their_own_engine():
     llama = _inputs("llama70b_tide")
     for cross, most in (("p2p", 0.5), ("one_sided", 0.0)):
         res = sim.simulate_config("llama70b_tide", 16, ["tide"], cluster.Cluster(),
-                                  cm=_cm("llama70b_tide"), inputs=llama, cross_node=cross)  # fmt: skip
+                                  cm=_cm("llama70b_tide"), inputs=llama,
+                                  cross_node=cross)  # fmt: skip
         nets = [s.op for s in res["spans"]["tide"] if s.op.name.endswith(".rs_net")]
         assert nets and all(op.slowdown.get("compute", 0.0) <= most for op in nets), cross
     assert llama.engines["nccl"][1] == pytest.approx(0.318, abs=0.01)
@@ -133,8 +134,8 @@ def test_5_network_latency_nic_cap_and_nvlink_at_64_gpus():
     cm, ins = _cm("llama70b_fsdp2"), _inputs("llama70b_fsdp2")
     rs = {}
     for nic in (200, 400):
-        res = sim.simulate_config("llama70b_fsdp2", 64, ["fsdp2"],
-                                  cluster.Cluster(nic_gbps_per_gpu=nic), cm=cm, inputs=ins)  # fmt: skip
+        clu = cluster.Cluster(nic_gbps_per_gpu=nic)
+        res = sim.simulate_config("llama70b_fsdp2", 64, ["fsdp2"], clu, cm=cm, inputs=ins)
         rs[nic] = _by_name(res["spans"]["fsdp2"])["layers.0.rs"].op.duration_ms
     assert rs[200] > 1.2 * rs[400]
     from torchtitan_tide.simulator import network
@@ -259,8 +260,8 @@ def test_10_breakdown_and_tokens_nic_sensitivity():
     rows = report.tokens_nic_rows(inputs.RESULTS, cluster.Cluster(), gpus=16,
                                   tokens_per_gpu=(2048,), nics=(100, 400),
                                   models=("qwen3_30b_a3b",))  # fmt: skip
-    assert [(r["tokens_per_gpu"], r["nic_gbps_per_gpu"]) for r in rows] == [(2048, 100),
-                                                                            (2048, 400)]  # fmt: skip
+    cells = [(r["tokens_per_gpu"], r["nic_gbps_per_gpu"]) for r in rows]
+    assert cells == [(2048, 100), (2048, 400)]
     for r in rows:
         assert r["tide_vs_fsdp2"] == pytest.approx(r["fsdp2_ms"] / r["tide_ms"])
         assert r["tide_vs_symm_mem_2_31"] == pytest.approx(r["symm_mem_ms"] / r["tide_ms"])

@@ -90,11 +90,13 @@ def main(argv: Sequence[str] | None = None) -> int:
           "layout ms | exposed ms (fwd/bwd/tail) | accumulate ms | comm slowed ms |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['sim_step_ms']:.1f} | {r.get('sim_speedup_vs_fsdp2', float('nan')):.3f} | "
-              f"{r['sim_bd_compute_ms']:.1f} | {r['sim_bd_sm_taken_ms']:.1f} | {r['sim_bd_layout_ms']:.1f} | "
-              f"{r['sim_exposed_ms']:.1f} ({r['sim_bd_exposed_fwd_ms']:.1f}/{r['sim_bd_exposed_bwd_ms']:.1f}/"
-              f"{r['sim_bd_exposed_tail_ms']:.1f}) | {r['sim_accumulate_ms']:.1f} | "
-              f"{r['sim_comm_slowed_ms']:.1f} |")  # fmt: skip
+        cells = [r["mode"], f"{r['sim_step_ms']:.1f}",
+                 f"{r.get('sim_speedup_vs_fsdp2', float('nan')):.3f}",
+                 *(f"{r[f'sim_bd_{k}_ms']:.1f}" for k in ("compute", "sm_taken", "layout")),
+                 f"{r['sim_exposed_ms']:.1f} (" + "/".join(
+                     f"{r[f'sim_bd_exposed_{k}_ms']:.1f}" for k in ("fwd", "bwd", "tail")) + ")",
+                 f"{r['sim_accumulate_ms']:.1f}", f"{r['sim_comm_slowed_ms']:.1f}"]  # fmt: skip
+        print("| " + " | ".join(cells) + " |")
     for r in rows:
         if r["mode_note"]:
             print(f"  {r['mode']}: {r['mode_note']}")

@@ -660,9 +660,12 @@ def compute_inputs(
 
 
 def engine_inputs(
-    results_dir: Path, trace_config: str | None, cm: Any, shares: Mapping[str, float],
+    results_dir: Path,
+    trace_config: str | None,
+    cm: Any,
+    shares: Mapping[str, float],
     tokens: int,
-) -> tuple[dict[str, tuple[float, float]], dict[str, float], str, tuple, dict[str, str]]:  # fmt: skip
+) -> tuple[dict[str, tuple[float, float]], dict[str, float], str, tuple, dict[str, str]]:
     """(engines (f, g) mixed over this model's classes, class weights, the dense GEMM
     class, the per-class table as rows, sources)."""
     sources: dict[str, str] = {}

@@ -191,8 +191,8 @@ def _two_gpu_figures(results_dir: Path, g_ce: float) -> dict[tuple[str, str], Fi
                     known.append((p["nccl_kernel_ms"], *_fg(out[(NCCL, cls)])))
                 sm_ms = p["kernel_ms"] - p["nccl_kernel_ms"] - _kernel_ms(p, "split_with")
                 _, g_mode, text = _path(path, known, sm_ms, f"{mode}'s all-gather")
-                out[(f"{SM_AG}:{mode}", cls)] = Figure(f, g_mode, DERIVED, (
-                    f"{text}; compute figure TIDE-AG's cast (the same foreach kernel)"))  # fmt: skip
+                text += "; compute figure TIDE-AG's cast (the same foreach kernel)"
+                out[(f"{SM_AG}:{mode}", cls)] = Figure(f, g_mode, DERIVED, text)
         if (row := rows.get((cls, "tide", "rs"))) is not None:
             f, g, text = _path(row, ce[1:], prof[("tide", "rs")]["kernel_ms"],
                                "TIDE-RS (copy engine + accumulate)")  # fmt: skip

@@ -328,7 +328,8 @@ def sensitivity_rows(results_dir: Path, cluster: Cluster) -> list[dict[str, Any]
         inp = build_inputs(cm, results_dir, None, 0.4)
         for knob, value, variant, ins, kw in [
             *((k, v, c, inp, kw) for k, v, c, kw in variants),
-            ("comm slowed by compute", "off (not applied)", cluster, without_comm_slowdown(inp), {}),
+            ("comm slowed by compute", "off (not applied)", cluster,
+             without_comm_slowdown(inp), {}),
             ("symm_mem RS (NCCL 2.28.9)", "ring (not built)", cluster, ring_rs_symm_mem(inp), {}),
         ]:  # fmt: skip
             sim = simulate_config(config, 64, MODES, variant, results_dir, cm=cm, inputs=ins, **kw)
@@ -420,7 +421,8 @@ BASELINE_COLUMNS = [("model", "model"), ("variant", "variant"), ("sim_step_ms", 
                     ("sim_comm_slowed_ms", "comm slowed by compute ms"),
                     ("step_ms_comm_not_slowed", "sim step ms, comm not slowed"),
                     ("vs_fsdp2_speedup_comm_not_slowed", "speed-up vs fsdp2, comm not slowed"),
-                    ("vs_symm_speedup_comm_not_slowed", "speed-up vs stronger symm_mem, comm not slowed")]  # fmt: skip
+                    ("vs_symm_speedup_comm_not_slowed",
+                     "speed-up vs stronger symm_mem, comm not slowed")]  # fmt: skip
 REFERENCE_COLUMNS = [("config", "config"), ("gpus", "GPUs"), ("nodes", "nodes"), ("mode", "mode"),
                      ("sim_step_ms", "sim step ms"), ("sim_speedup_vs_fsdp2", "sim speed-up vs fsdp2"),
                      *BREAKDOWN, ("sim_accumulate_ms", "TIDE accumulate ms"),
@@ -467,6 +469,10 @@ def source_rows(validation: list[dict[str, Any]], cluster: Cluster) -> list[dict
     return rows
 
 
+def _table(title: str, columns: list, rows: list) -> dict[str, Any]:
+    return {"title": title, "columns": columns, "rows": rows}
+
+
 def write_report(results_dir: Path, out_dir: Path, cluster: Cluster) -> dict[str, str]:
     """Compute everything and write the JSON, Markdown and PNG; returns their paths."""
     common = _common()
@@ -483,14 +489,21 @@ def write_report(results_dir: Path, out_dir: Path, cluster: Cluster) -> dict[str
     figures = list(models["llama70b"].figures)
     meta = common.metadata(max(GPU_COUNTS), machine="cpu")
     stem = common.result_stem(out_dir, "simulation", meta)
+    sim = f"SIMULATION; {cluster.name}"
     tables = [
-        {"title": "Validation: simulated vs measured steps (2x H200; one H200)", "columns": VALIDATION_COLUMNS, "rows": validation},
-        {"title": f"64 GPUs: tide against stock FSDP2 and both SymmMem generations, with the step's breakdown (SIMULATION; {cluster.name})", "columns": BASELINE_COLUMNS, "rows": baseline},
-        {"title": "The paper's figures, our assumptions it does not state, the modeled links", "columns": ASSUMPTION_COLUMNS, "rows": assumptions},
-        {"title": f"Sensitivity at 64 GPUs: tokens per GPU x NIC Gb/s per GPU, vs stock FSDP2 and vs symm_mem on NCCL {NCCL_NEW} (SIMULATION)", "columns": TOKENS_NIC_COLUMNS, "rows": tokens_nic},
-        {"title": "Interference per engine and compute class (f: compute beside it, g: it beside compute; what is measured, derived or modeled)", "columns": INTERFERENCE_COLUMNS, "rows": figures},
-        {"title": f"Reference configs at 8-64 GPUs (SIMULATION; cluster: {cluster.name})", "columns": REFERENCE_COLUMNS, "rows": reference},
-        {"title": "Sensitivity at 64 GPUs: node shape, NCCL, TIDE schedule, comm not slowed (SIMULATION)", "columns": SENSITIVITY_COLUMNS, "rows": sensitivity},
+        _table("Validation: simulated vs measured steps (2x H200; one H200)",
+               VALIDATION_COLUMNS, validation),
+        _table("64 GPUs: tide against stock FSDP2 and both SymmMem generations, with the "
+               f"step's breakdown ({sim})", BASELINE_COLUMNS, baseline),
+        _table("The paper's figures, our assumptions it does not state, the modeled links",
+               ASSUMPTION_COLUMNS, assumptions),
+        _table("Sensitivity at 64 GPUs: tokens per GPU x NIC Gb/s per GPU, vs stock FSDP2 and "
+               f"vs symm_mem on NCCL {NCCL_NEW} ({sim})", TOKENS_NIC_COLUMNS, tokens_nic),
+        _table("Interference per engine and compute class (f: compute beside it, g: it beside "
+               "compute; what is measured, derived or modeled)", INTERFERENCE_COLUMNS, figures),
+        _table(f"Reference configs at 8-64 GPUs ({sim})", REFERENCE_COLUMNS, reference),
+        _table(f"Sensitivity at 64 GPUs: node shape, NCCL, TIDE schedule, comm not slowed ({sim})",
+               SENSITIVITY_COLUMNS, sensitivity),
     ]  # fmt: skip
     sources = source_rows(validation, cluster)
     tables.append({"title": "Inputs and their sources (the validation rows)",
@@ -518,22 +531,24 @@ def write_report(results_dir: Path, out_dir: Path, cluster: Cluster) -> dict[str
                      | {r["config"] for r in validation if r["sources"]["host"].startswith("not measured")})  # fmt: skip
     kinds = sorted({f["kind"] for f in figures})
     notes = (
-        f"A SIMULATION (torchtitan_tide/simulator/, docs/2026-12-04-simulator.md), not a measurement, "
-        f"except the validation's measured column. {within} of {len(validation)} validation rows "
-        f"within {TOLERANCE_PCT:.0f}%; no fitted factor. Every mode is charged the same way: each part "
-        f"of a collective once (its transport at its own profiled device time, the cast, FSDP2's "
-        f"copy-in / copy-out / chunk_cat, TIDE-RS's accumulate), slowed and slowing compute as "
-        f"measured for its engine and the model's compute classes ({', '.join(kinds)}: the "
-        f"interference table says which is which). TIDE runs the schedule of "
-        f"torchtitan_tide/comm/schedule.py: '{tide_schedule.CURRENT.name}' (the code today); rows marked "
-        f"modeled run the other one or the one-sided / bf16-wire options. Links (NV18, NIC, NCCL "
-        f"latency and channels) are modeled from named figures (the assumptions table). "
-        f"The in-step columns: the same rows with the model's kernels at the level measured in a "
-        f"profiled one-rank step on one GPU (inputs.in_step_compute; not the rows' verdict). "
-        f"Rows lacking a GPU input (world-1 trace or trainer breakdown): {', '.join(lacking) or 'none'}. "
-        f"Every input's source: each validation row's `sources` and `measured_source`, the JSON's "
-        f"`inputs` (per reference config). symm_mem on NCCL {NCCL_NEW} is modeled from release "
-        f"notes. Picture: llama70b_fsdp2 at 64 GPUs, one simulated step per mode.\n"
+        f"A SIMULATION (torchtitan_tide/simulator/, docs/2026-12-04-simulator.md), not a "
+        f"measurement, except the validation's measured column. {within} of {len(validation)} "
+        f"validation rows within {TOLERANCE_PCT:.0f}%; no fitted factor. Every mode is charged "
+        "the same way: each part of a collective once (its transport at its own profiled "
+        "device time, the cast, FSDP2's copy-in / copy-out / chunk_cat, TIDE-RS's "
+        "accumulate), slowed and slowing compute as measured for its engine and the model's "
+        f"compute classes ({', '.join(kinds)}: the interference table says which is which). "
+        "TIDE runs the schedule of torchtitan_tide/comm/schedule.py: "
+        f"'{tide_schedule.CURRENT.name}' (the code today); rows marked modeled run the other "
+        "one or the one-sided / bf16-wire options. Links (NV18, NIC, NCCL latency and "
+        "channels) are modeled from named figures (the assumptions table). The in-step "
+        "columns: the same rows with the model's kernels at the level measured in a profiled "
+        "one-rank step on one GPU (inputs.in_step_compute; not the rows' verdict). Rows "
+        "lacking a GPU input (world-1 trace or trainer breakdown): "
+        f"{', '.join(lacking) or 'none'}. "
+        "Every input's source: each validation row's `sources` and `measured_source`, the "
+        f"JSON's `inputs` (per reference config). symm_mem on NCCL {NCCL_NEW} is modeled from "
+        "release notes. Picture: llama70b_fsdp2 at 64 GPUs, one simulated step per mode.\n"
     )
     paths = {"markdown": str(stem) + ".md", "json": str(stem) + ".json"}
     common.write_result(stem, result, "Step simulation per comm mode", notes)

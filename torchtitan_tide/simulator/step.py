@@ -17,10 +17,10 @@ and slowing compute as measured for its engine (``inputs.engines``, op kinds of
 (``sm_rs``). FSDP2's copy-out and chunk_cat run on the compute stream (layout).
 
 TIDE runs the schedule of ``torchtitan_tide.comm.schedule`` (``TideModel.schedule``,
-default: the one the code runs, ``schedule.CURRENT``, read at each call): serial (pack, cross-node, node-local,
-placement one after the other on TIDE's stream ``tide``) or pipelined (puts in waves on
-``tide_put``, each wave's fan-out and placement on ``tide`` overlapping the next wave's
-puts). TIDE-RS phase 1 runs on ``tide`` under ``slot_reuse`` (else ``rs_local``), phase 2
+default: the one the code runs, ``schedule.CURRENT``, read at each call): serial (pack,
+cross-node, node-local, placement one after the other on TIDE's stream ``tide``) or
+pipelined (puts in waves on ``tide_put``, each wave's fan-out and placement on ``tide``
+overlapping the next wave's puts). TIDE-RS phase 1 runs on ``tide`` under ``slot_reuse`` (else ``rs_local``), phase 2
 on ``rs_net``, at most ``[tide] rs_inflight`` partials ahead. symm_mem's hierarchical
 collectives (NCCL >= 2.30.7) run their two phases pipelined inside one collective: the
 longer phase (an upper bound on the baseline). Links: ``network`` (alpha-beta, NIC cap,
@@ -239,8 +239,8 @@ class _Builder:
                              NVLINK_STEP_US)  # fmt: skip
             last = self.add(f"{name}_fan{k}", "tide", fan, CE, [arrived, last], group=group)
             if place:
-                last = self.add(f"{name}_place{k}", "tide",
-                                _gib_ms(lay.local * entries * b, copy), CE, [last], group=group)  # fmt: skip
+                ms = _gib_ms(lay.local * entries * b, copy)
+                last = self.add(f"{name}_place{k}", "tide", ms, CE, [last], group=group)
         return self.add(name, "tide", 0.0, CE, [last], group=group)
 
     def consume(self, g: GroupShape, ag: str | None, tag: str) -> list[str]:
