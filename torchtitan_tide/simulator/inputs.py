@@ -623,7 +623,7 @@ def compute_inputs(
     checkpointing as configured)."""
     sources: dict[str, str] = {}
     ac = cm.table.get("activation_checkpoint", {})
-    flops_share, quadratic = attention_flops_share(cm.model_args, work)
+    flops_share = attention_flops_share(cm.model_args, work)[0]
     profiled = trace if trace and (trace.get("profiled_iteration") or {}).get("kernels") else None
     if profiled is None and trace_config:
         path = newest_profiled_trace(results_dir, trace_config)
@@ -646,6 +646,7 @@ def compute_inputs(
     if attention is None:
         attention, why = attention_flops_share(cm.model_args, traced)[0], "by FLOPs (modeled)"
     had = recompute_fraction(traced_ac, shares, where=f"{trace['config']}'s")[0]
+    quadratic = attention_flops_share(cm.model_args, traced)[1]  # the traced time's split
     compute, root_fwd, root_bwd = compute_from_trace(
         trace, cm.groups, work, traced, attention, quadratic, (redo, had)
     )
