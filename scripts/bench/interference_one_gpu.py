@@ -174,14 +174,15 @@ def build_side(name: str, device, small: bool) -> Callable[[], None]:
         kernel, ctas = _copy_kernel(), NCCL_CTAS[name]
         return lambda: kernel[(ctas,)](src, dst, numel, BLOCK=4096, GRID=ctas, num_warps=16)
     shapes = [tuple(max(1, n // scale) for n in s) for s in LLAMA_LAYER]
-    shards = [torch.randn(max(1, math.prod(s) // 2), device=device) for s in shapes]
+    sizes = [max(1, math.prod(s) // 2) for s in shapes]  # the shards at 2 ranks
     if name == "cast_foreach":
+        shards = [torch.randn(n, device=device) for n in sizes]
         dsts = [torch.empty_like(t, dtype=torch.bfloat16) for t in shards]
         return lambda: torch._foreach_copy_(dsts, shards)
     if name == "accumulate":
         from torchtitan_tide.comm import kernels
 
-        numel = sum(t.numel() for t in shards)
+        numel = sum(sizes)
         rows = torch.randn(2, numel, device=device, dtype=torch.bfloat16)
         out = torch.zeros(numel, device=device)
         return lambda: kernels.accumulate_rows(rows, out, accumulate=False, divisor=2.0)
