@@ -99,17 +99,6 @@ class TideSchedule:
     ag_one_sided_any_layout: bool
     rs_pack: bool
 
-    def ag_phase(self, name: str) -> Phase:
-        """TIDE-AG's phase ``name`` (a named error when the schedule has none)."""
-        return _named(self.ag, name, f"schedule {self.name!r} TIDE-AG")
-
-
-def _named(phases: tuple[Phase, ...], name: str, where: str) -> Phase:
-    for phase in phases:
-        if phase.name == name:
-            return phase
-    raise KeyError(f"{where} has no phase {name!r} (it has {[p.name for p in phases]})")
-
 
 _CAST = Phase("pack", SM, AG_STREAM, "fp32 -> bf16 cast of the own shard (FSDP2's foreach)")
 _RS_LOCAL = (
