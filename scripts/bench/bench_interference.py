@@ -3,6 +3,12 @@
     python scripts/bench/bench_interference.py --out-dir bench/results [--reps 6]
         [--modes fsdp2,symm_mem,tide]
     python scripts/bench/bench_interference.py --small --out-dir /tmp/i   # tiny layer (tests)
+    python scripts/bench/bench_interference.py --one-gpu --out-dir bench/results [--reps 5]
+
+``--one-gpu``: every compute class the models use (GEMMs, the grouped expert GEMM,
+attention) beside each engine, on ONE GPU (``interference_one_gpu.py``: a copy-engine
+copy, a copy kernel on NCCL's CTA counts, FSDP2's cast, TIDE-RS's accumulate). The rest
+of this docstring is the 2-GPU mode.
 
 GEMMs (bf16, on the compute stream): ``single_wave`` = A[M=1024, K=4096] @ B[K=4096,
 N=8192] and ``large`` = 8192 x 8192 x 8192 (``torch.matmul`` into a preallocated output);
@@ -463,7 +469,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=6, help="bursts per (op, GEMM, mode, round)")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--small", action="store_true", help="tiny layer and GEMMs (tests)")
+    ap.add_argument("--one-gpu", action="store_true",
+                    help="every compute class beside each engine on one GPU "
+                         "(interference_one_gpu.py)")  # fmt: skip
+    ap.add_argument(
+        "--side-ms", type=float, default=4.0,
+        help="--one-gpu: each side op repeated to about this many ms alone",
+    )  # fmt: skip
     args = ap.parse_args(argv)
+    if args.one_gpu:
+        import interference_one_gpu
+
+        return interference_one_gpu.run(args)
     modes = tuple(args.modes.split(","))
     if bad := [m for m in modes if m not in bench_collectives.MODES]:
         ap.error(f"unknown modes {bad}; choose from {sorted(bench_collectives.MODES)}")

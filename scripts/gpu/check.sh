@@ -6,6 +6,7 @@
 #   STAGES="collectives interference step report" bash scripts/gpu/check.sh
 #   STAGES="tests floor" bash scripts/gpu/check.sh      # all that runs on ONE GPU (~5 min)
 #   STAGES=world1 bash scripts/gpu/check.sh             # the simulator's world-1 inputs (one GPU)
+#   STAGES=interference_one_gpu bash scripts/gpu/check.sh  # the simulator's interference (one GPU)
 # Stages (default: all, in this order) and their rough time on 2x H200:
 #   tests         GPU-marked pytest tests (incl. every benchmark at a small size)  ~2-3 min
 #                 (1 GPU: the 2-GPU tests skip; the rest ~1.5 min); not the emulation ones
@@ -46,6 +47,10 @@
 #   bench         bench_ag (TIDE-AG vs stock, copy-engine batch)                   ~1 min
 #   collectives   bench_collectives (3 layers x fsdp2/symm_mem/tide/tide_ag)       ~2 min
 #   interference  bench_interference (2 GEMMs beside AG/RS x 3 modes)              ~1 min
+#   interference_one_gpu  not in the default list: bench_interference --one-gpu on GPU 0 (the
+#                 simulator's interference per engine and compute class: GEMMs, the grouped
+#                 expert GEMM, attention beside a copy-engine copy, a copy kernel on NCCL's
+#                 24 / 9 CTAs, FSDP2's cast, TIDE-RS's accumulate; INTERF1_REPS, 5)  ~1-2 min
 #   accumulate    bench_accumulate (TIDE-RS kernel GiB/s vs CTA count, 1 GPU)       ~20 s
 #   report        report.py over bench/results                                     seconds
 # Knobs: FLOOR_CONFIGS (the three h200x2_* configs), TRACE_CONFIGS, TRACE_ARGS, FLOOR_WORLD (2: ranks of the step whose
@@ -287,6 +292,14 @@ fi
 if has interference; then
   run bench_interference 240 python3 scripts/bench/bench_interference.py \
     --out-dir bench/results --modes "$MODES" --reps "${INTERF_REPS:-6}"
+fi
+
+if has interference_one_gpu; then
+  first_gpu="${CUDA_VISIBLE_DEVICES:-0}"
+  run bench_interference_one_gpu 300 env CUDA_VISIBLE_DEVICES="${first_gpu%%,*}" \
+    python3 scripts/bench/bench_interference.py --one-gpu --out-dir bench/results \
+    --reps "${INTERF1_REPS:-5}"
+  note "  $(grep -o 'results: .*' "$LOGS/bench_interference_one_gpu.log" | tail -1)"
 fi
 
 if has report; then

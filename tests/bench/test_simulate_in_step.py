@@ -79,8 +79,8 @@ def test_a_trace_without_profiled_kernels_gives_no_level(tmp_path):
 def test_with_compute_level_scales_groups_and_root():
     base = inputs.Inputs(
         compute={"layers.0": inputs.GroupCompute(2.0, 4.0)}, root_fwd_ms=1.0, root_bwd_ms=3.0,
-        optimizer_ms_per_shard_elem=0.0, host_ms=5.0, bandwidth_gibps={}, interference={},
-        layout_ns={}, shape_class="large", in_step_level=1.5,
+        optimizer_ms_per_shard_elem=0.0, host_ms=5.0, transport_gibps={}, layout_ns={},
+        shape_class="large", in_step_level=1.5,
     )  # fmt: skip
     scaled = inputs.with_compute_level(base, 1.5)
     assert scaled.compute["layers.0"] == inputs.GroupCompute(3.0, 6.0)

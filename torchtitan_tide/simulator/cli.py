@@ -9,8 +9,9 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+from torchtitan_tide.comm.schedule import SCHEDULES, schedule_named
 from torchtitan_tide.simulator.cluster import load_cluster
-from torchtitan_tide.simulator.inputs import MODES, RESULTS, inputs_record
+from torchtitan_tide.simulator.inputs import MODES, RESULTS, Workload, inputs_record
 from torchtitan_tide.simulator.step import CROSS_NODE, simulate_config
 
 # [tide] rs_wire_dtype's spellings and the short ones
@@ -35,6 +36,12 @@ def _parser() -> argparse.ArgumentParser:
                         "nccl_one_sided (0 SMs); default: the config's [tide] "
                         "cross_node_transport ('auto' is modeled as p2p: the simulator cannot "
                         "see whether NCCL has host RMA)")  # fmt: skip
+    p.add_argument("--schedule", choices=sorted(SCHEDULES), default=None,
+                   help="TIDE's schedule (torchtitan_tide/comm/schedule.py); default: the one "
+                        "the code runs (schedule.CURRENT)")  # fmt: skip
+    p.add_argument("--tokens-per-gpu", type=int, default=None,
+                   help="simulate this many tokens per GPU as one sequence (default: the "
+                        "config's batch x sequence)")  # fmt: skip
     p.add_argument("--mfu", type=float, default=0.4, help="MFU of the FLOPs fallback (no trace)")
     p.add_argument("--results-dir", default=str(RESULTS))
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
@@ -62,10 +69,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         if bad := [m for m in modes if m not in MODES]:
             parser.error(f"--modes {bad}: choose from {list(MODES)}")
+        if args.tokens_per_gpu is not None and args.tokens_per_gpu <= 0:
+            parser.error(f"--tokens-per-gpu {args.tokens_per_gpu}: must be > 0")
+        tokens = args.tokens_per_gpu
         result = simulate_config(
             args.config, args.gpus, modes, cluster, Path(args.results_dir), args.trace, args.mfu,
             rs_wire_bytes=WIRE_BYTES[args.rs_wire] if args.rs_wire else None,
             cross_node="one_sided" if args.cross_node == "nccl_one_sided" else args.cross_node,
+            schedule=schedule_named(args.schedule),
+            workload=Workload(tokens, tokens) if tokens else None,
         )  # fmt: skip
     except (ValueError, FileNotFoundError) as exc:  # SimulateError, ClusterError, FsdpGroupsError
         parser.error(str(exc))
@@ -73,20 +85,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"Simulated step (a SIMULATION, not a measurement): {args.config} at {args.gpus} GPUs "
           f"({rows[0]['nodes']} node(s)), cluster: {cluster.name}; TIDE-RS wire "
           f"{'bf16' if result['rs_wire_bytes'] == 2 else 'fp32'}, "
-          f"cross-node {rows[0]['cross_node']}")  # fmt: skip
-    print("| mode | step ms | speed-up vs fsdp2 | exposed ms (first/between/last) | "
-          "SM-ms taken | accumulate ms | comm slowed ms | layout ms |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+          f"cross-node {rows[0]['cross_node']}, TIDE schedule {result['schedule']}")  # fmt: skip
+    print("| mode | step ms | speed-up vs fsdp2 | compute ms | SM-ms taken from compute | "
+          "layout ms | exposed ms (fwd/bwd/tail) | accumulate ms | comm slowed ms |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['sim_step_ms']:.1f} | {r.get('sim_speedup_vs_fsdp2', float('nan')):.3f} | "
-              f"{r['sim_exposed_ms']:.1f} ({r['sim_exposed_first_ms']:.1f}/{r['sim_exposed_between_ms']:.1f}/"
-              f"{r['sim_exposed_last_ms']:.1f}) | {r['sim_sm_ms_taken']:.1f} | {r['sim_sm_kernel_ms']:.1f} | "
-              f"{r['sim_comm_slowed_ms']:.1f} | {r['sim_layout_ms']:.1f} |")  # fmt: skip
+        cells = [r["mode"], f"{r['sim_step_ms']:.1f}",
+                 f"{r.get('sim_speedup_vs_fsdp2', float('nan')):.3f}",
+                 *(f"{r[f'sim_bd_{k}_ms']:.1f}" for k in ("compute", "sm_taken", "layout")),
+                 f"{r['sim_exposed_ms']:.1f} (" + "/".join(
+                     f"{r[f'sim_bd_exposed_{k}_ms']:.1f}" for k in ("fwd", "bwd", "tail")) + ")",
+                 f"{r['sim_accumulate_ms']:.1f}", f"{r['sim_comm_slowed_ms']:.1f}"]  # fmt: skip
+        print("| " + " | ".join(cells) + " |")
     for r in rows:
         if r["mode_note"]:
             print(f"  {r['mode']}: {r['mode_note']}")
     if rows[0]["cross_node"] != "p2p" or result["rs_wire_bytes"] != 4:
         print("  the one-sided transport and bf16 wire are modeled, not measured at scale")
+    from torchtitan_tide.simulator.network import SOURCES
+
+    for key, text in SOURCES.items():
+        print(f"  {key} (modeled): {text}")
     print("Inputs:")
     for key, text in result["sources"].items():
         print(f"  {key}: {text}")

@@ -28,8 +28,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 COMPUTE = "compute"  # the compute stream's name
-COMM_KINDS = ("ag", "rs", "net", "net0", "sm")  # op kinds off the compute stream (exposure)
-SM = "sm"  # kind of an SM-holding kernel off the compute stream
+# op kinds off the compute stream (exposure): the generic ones, and the engines of
+# ``interference.ENGINES`` the step model uses
+COMM_KINDS = ("ag", "rs", "net", "net0", "sm", "nccl", "nccl_symk", "ce", "nic", "sm_ag", "sm_rs")
+SM = "sm"  # kind of an SM-holding kernel off the compute stream (a share of the SMs)
+SM_KERNEL_KINDS = ("sm", "sm_ag", "sm_rs")  # comm-library kernels on SMs
 _EPS = 1e-9
 
 
@@ -182,7 +185,8 @@ def summarize(spans: Sequence[Span]) -> dict[str, float]:
     (before the first compute op), ``exposed_last_ms`` (after the last compute op before
     the optimizer) and ``exposed_between_ms``; ``comm_busy_ms``; ``sm_ms_taken``
     (compute-stream time lost to interference and to SM-holding kernels);
-    ``sm_kernel_ms`` (busy ms of the ``sm`` ops); ``comm_slowed_ms`` (time added to
+    ``sm_kernel_ms`` (busy ms of the comm library's SM kernels, :data:`SM_KERNEL_KINDS`;
+    ``accumulate_ms``: of kind ``sm_rs``, TIDE-RS's); ``comm_slowed_ms`` (time added to
     communication ops by what ran beside them); and busy ms per compute-stream kind
     (``compute_ms``, ``layout_ms``, ``optimizer_ms``, ``host_ms``)."""
     step = max((s.end_ms for s in spans), default=0.0)
@@ -200,7 +204,8 @@ def summarize(spans: Sequence[Span]) -> dict[str, float]:
         "exposed_last_ms": intersect_length([(max(a, last), b) for a, b in idle if b > last], comm),
         "comm_busy_ms": sum(b - a for a, b in comm),
         "sm_ms_taken": sum(s.lost_ms for s in on_compute),
-        "sm_kernel_ms": sum(s.op.duration_ms for s in spans if s.op.kind == SM),
+        "sm_kernel_ms": sum(s.op.duration_ms for s in spans if s.op.kind in SM_KERNEL_KINDS),
+        "accumulate_ms": sum(s.op.duration_ms for s in spans if s.op.kind == "sm_rs"),
         "comm_slowed_ms": sum(s.lost_ms for s in spans if s.op.stream != COMPUTE),
     }
     out["exposed_between_ms"] = out["exposed_ms"] - out["exposed_first_ms"] - out["exposed_last_ms"]

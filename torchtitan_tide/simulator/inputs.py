@@ -3,13 +3,16 @@
 it is validated against.
 
 Inputs (:class:`Inputs`): per-group forward/backward ms, root ms, AdamW and clip ms from
-``bench_trace.py`` (same model, scaled by tokens per GPU and activation checkpointing when
-the config differs; without a trace: FLOPs at ``--mfu``); per-mode collective bandwidths
-from ``bench_collectives`` (2x H200); interference in both directions from
-``bench_interference`` (a GEMM beside a collective, a collective beside GEMMs); the
-TIDE-RS accumulate kernel's rate and SM share from the profiled step (``bench_step``) and
-``bench_accumulate``; layout-copy ms per element from ``bench_step``'s profiled kernels;
-the per-step trainer time outside fwd+bwd from a profiled step breakdown (``bench_step``).
+``bench_trace.py`` (``compute``: scaled to the config's tokens, sequence length and
+activation checkpointing; without a trace: FLOPs at ``--mfu``); per mode the rate of each
+collective's transport alone, from its own profiled device time in ``bench_collectives``
+(2x H200: the NCCL kernel, or the copy engine's copies), and the SM kernels beside it
+(the fp32 -> bf16 cast every mode runs, symm_mem's divide) per element; FSDP2's layout
+copies per element from ``bench_step``'s profiled kernels; interference in both
+directions per engine and compute class (``interference``); the TIDE-RS accumulate
+kernel's rate from the profiled step (``bench_step``); the device copy rate
+(``bench_accumulate``); the per-step trainer time outside fwd+bwd from a profiled step
+breakdown (``bench_step``).
 """
 
 from __future__ import annotations
@@ -18,20 +21,33 @@ import functools
 import json
 import math
 import statistics
-from collections.abc import Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from torchtitan_tide.comm.memory_plan import GroupShape
+from torchtitan_tide.simulator import interference as itf
 from torchtitan_tide.simulator.cluster import GIB
+from torchtitan_tide.simulator.compute import (
+    GroupCompute,
+    Workload,
+    attention_flops_share,
+    attention_share_of_blocks,
+    compute_from_flops,
+    compute_from_trace,
+    recompute_fraction,
+    trace_shares,
+    workload_of,
+)
+from torchtitan_tide.simulator.results import REPO, RESULTS, SimulateError, read_result
+from torchtitan_tide.simulator.results import newest as _newest
 
-REPO = Path(__file__).resolve().parents[2]
-RESULTS = REPO / "bench" / "results"
+__all__ = ["REPO", "RESULTS", "GroupCompute", "SimulateError", "Workload", "read_result"]
+
 H200_BF16_FLOPS = 989e12  # dense bf16 peak, the FLOPs fallback's denominator
 H200_SMS = 132
-SINGLE_WAVE, LARGE = "single_wave", "large"
-GROUPED = "grouped_experts"  # bench_interference's grouped expert GEMM
+SINGLE_WAVE, LARGE, GROUPED = itf.SINGLE_WAVE, itf.LARGE, itf.GROUPED
 MODES = ("fsdp2", "symm_mem", "tide", "tide_ag")
 
 # The committed measurements the defaults read (bench/results). Keys: the model (the
@@ -42,9 +58,10 @@ TRACE_CONFIG = {
     "wan22": "h200x2_wan22_a14b_20layers",
 }
 COLLECTIVE_LAYER = {"llama3_tide": "llama70b", "qwen3_tide": "qwen3_30b_a3b", "wan22": "wan22_a14b"}
-COLLECTIVES_FILE = "2026-11-30_nvidia-h200-x-2_8a9ccda_collectives.json"
-INTERFERENCE_FILE = "2026-11-30_nvidia-h200-x-2_8a9ccda_interference.json"
+COLLECTIVES_FILE, INTERFERENCE_FILE = itf.COLLECTIVES_FILE, itf.INTERFERENCE_FILE
 ACCUMULATE_FILE = "2026-11-30_nvidia-h200-x-2_8a9ccda_accumulate.json"
+# The device-to-device copy rate (placement and packing copies): one H200, 065b07c.
+COPY_RATE = ("2026-12-03_nvidia-h200-x-1_065b07c_accumulate.json", "memcpy_fp32_same_bytes")
 CROSS_NODE_FILE = "2026-12-03_nvidia-h200-x-1_d533948_cross_node_one_node.json"
 # The profiled TIDE step whose accumulate kernels are the in-situ rate: Llama-3.1-70B
 # width, 4 layers, 2x H200, copy-engine slot barrier (the default): row "tide".
@@ -85,57 +102,47 @@ WORLD1_RECORDED_SOURCE = (
     "issue 21: bench_step at world 1 on one H200 (8d17df0), profiled step breakdown "
     "(docs/2026-12-01-simulator.md)"
 )
-AC_FACTOR = {"none": 0.0, "selective": 0.0, "full": 1.0}  # forwards recomputed in backward
-
-
-class SimulateError(ValueError):
-    """Bad simulator input; the message names the flag, file or key and the fix."""
-
-
-@dataclass(frozen=True)
-class GroupCompute:
-    """Forward / backward ms of one FSDP group on one GPU."""
-
-    fwd_ms: float
-    bwd_ms: float
 
 
 @dataclass(frozen=True)
 class Inputs:
     """Everything but the groups and the cluster; ``sources`` says where each came from.
 
-    ``bandwidth_gibps[mode][phase]``: ``ag`` / ``rs`` (stock: ring bytes ``(W-1) S b``
-    per rank; TIDE: the node-local phase's ``(L-1) N S b``), measured on 2 GPUs of one
-    node. ``interference[mode][ag|rs]``: the fraction a GEMM of this config's shape class
-    slows by beside the collective; ``comm_slowdown[mode][ag|rs]``: the fraction the
-    collective slows by beside those GEMMs. ``accumulate_gibps``: TIDE-RS accumulate
-    kernel bytes (read + write) per second; ``accumulate_sm_share``: the share of the SMs
-    it holds while it runs. ``layout_ns``: per element, ``copy_out`` (unsharded, per
-    all-gather), ``chunk_cat`` (unsharded, per reduce-scatter), ``copy_in`` (shard, per
-    all-gather), per mode. ``host_ms``: per-step trainer time outside fwd+bwd and the
-    optimizer. ``in_step_level``: :func:`in_step_compute`'s level when it was measured but
-    not applied (a one-GPU step's; :func:`with_compute_level` applies one)."""
+    ``transport_gibps[mode][ag|rs]``: the rate of each collective's transport alone (no
+    layout copy, no cast), from its profiled device time at W = 2: ``S b`` bytes per rank
+    (AG bf16, stock RS fp32, TIDE-RS bf16 rows). ``sm_ns[mode]``: ns per shard element of
+    the SM kernels beside the transport: ``cast`` (fp32 -> bf16 of the own shard, every
+    mode's all-gather), ``divide`` (symm_mem's reduce-scatter). ``layout_ns[mode]``: per
+    element, ``copy_out`` (unsharded, per all-gather), ``chunk_cat`` (unsharded, per
+    reduce-scatter), ``copy_in`` (shard, per all-gather). ``engines[engine]``: (f, g),
+    compute's slowdown beside the engine and the engine's beside compute, mixed over the
+    model's compute classes (``class_weights``; :mod:`interference`; ``figures``: the
+    per-class table). ``accumulate_gibps``: TIDE-RS accumulate kernel bytes (read +
+    write) per second; ``copy_gibps``: bytes copied per second by a device-to-device copy.
+    ``host_ms``: per-step trainer time outside fwd+bwd and the optimizer.
+    ``in_step_level``: :func:`in_step_compute`'s level when it was measured but not
+    applied (a one-GPU step's; :func:`with_compute_level` applies one)."""
 
     compute: Mapping[str, GroupCompute]
     root_fwd_ms: float
     root_bwd_ms: float
     optimizer_ms_per_shard_elem: float
     host_ms: float
-    bandwidth_gibps: Mapping[str, Mapping[str, float]]
-    interference: Mapping[str, Mapping[str, float]]
+    transport_gibps: Mapping[str, Mapping[str, float]]
     layout_ns: Mapping[str, Mapping[str, float]]
     shape_class: str
-    comm_slowdown: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    engines: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    sm_ns: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    class_weights: Mapping[str, float] = field(default_factory=dict)
     accumulate_gibps: float = 0.0
-    accumulate_sm_share: float = 1.0
+    copy_gibps: float = 0.0
     sources: Mapping[str, str] = field(default_factory=dict)
     in_step_level: float | None = None
+    figures: tuple[dict[str, Any], ...] = ()
 
 
 def with_compute_level(inputs: Inputs, level: float) -> Inputs:
     """``inputs`` with every group's and the root's ms times ``level``."""
-    from dataclasses import replace
-
     compute = {
         k: GroupCompute(level * c.fwd_ms, level * c.bwd_ms) for k, c in inputs.compute.items()
     }
@@ -147,15 +154,10 @@ def with_compute_level(inputs: Inputs, level: float) -> Inputs:
     )
 
 
-def read_result(results_dir: Path, name: str) -> dict[str, Any]:
-    """A committed benchmark result (JSON) by file name; a named error when missing."""
-    path = results_dir / name
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise SimulateError(
-            f"{path}: missing (a committed benchmark result the simulator reads)"
-        ) from None
+def without_comm_slowdown(inputs: Inputs) -> Inputs:
+    """``inputs`` with no engine slowed by compute (g = 0): the report's bracket."""
+    engines = {e: (f, 0.0) for e, (f, _) in inputs.engines.items()}
+    return replace(inputs, engines=engines)
 
 
 def newest_trace(results_dir: Path, config: str) -> Path | None:
@@ -163,82 +165,71 @@ def newest_trace(results_dir: Path, config: str) -> Path | None:
     return _newest(sorted(results_dir.glob(f"*_trace_{config}.json")))
 
 
-def _newest(found: Sequence[Path]) -> Path | None:
-    dated = [
-        (json.loads(p.read_text()).get("metadata", {}).get("date", ""), p.name, p) for p in found
-    ]
-    return max(dated)[2] if dated else None
+def _kernel_ms(profile: Mapping[str, Any], part: str) -> float:
+    return sum(k["ms"] for k in profile.get("kernels") or [] if part in k["name"])
 
 
-def collective_bandwidths(results_dir: Path, layer: str) -> tuple[dict[str, dict[str, float]], str]:
-    """Per mode: ``ag`` / ``rs`` GiB/s of the simulator's own byte counts at W = 2
-    (``S b`` per rank for every phase: AG in bf16; stock RS in fp32; TIDE-RS reads bf16),
-    from ``bench_collectives``' measured ms of one ``layer`` group."""
-    data = read_result(results_dir, COLLECTIVES_FILE)
-    rows = [r for r in data["tables"][0]["rows"] if r["layer"] == layer and not r.get("error")]
-    if not rows:
-        raise SimulateError(f"{COLLECTIVES_FILE}: no rows of layer {layer!r}")
-    out = {}
-    for row in rows:
-        # bench_collectives' GiB/s: unsharded bytes (bf16 AG, fp32 RS) * (W-1)/W / ms, W = 2
-        # = S * b / ms with its b; TIDE-RS moves bf16 rows, half the fp32 bytes, and its
-        # accumulate kernel time (profiled rs_sm_ms) is an op of its own in the model.
-        rs = row["rs_GiBps"]
-        if row["mode"] == "tide":
-            rs = 0.5 * rs * row["rs_ms"] / (row["rs_ms"] - row["rs_sm_ms"])
-        out[row["mode"]] = {"ag": row["ag_GiBps"], "rs": rs}
-    return out, (
-        f"{COLLECTIVES_FILE}, layer {layer}: AG/RS GiB/s per mode (2x H200, W = 2; TIDE-RS: "
-        "its copies, the RS ms minus the profiled accumulate kernel ms)"
-    )
-
-
-def interference(results_dir: Path, shape_class: str) -> tuple[dict, dict, str]:
-    """(GEMM slowdown beside each mode's ``ag`` / ``rs``, the collective's slowdown beside
-    GEMMs of ``shape_class``, source). Both are fractions (``beside / alone - 1``);
-    negative readings (noise) count as 0. tide_ag: tide's AG, fsdp2's RS.
-
-    TIDE-RS's measured GEMM slowdown includes its accumulate kernels, which the step model
-    charges as SM-holding ops of their own: the reduce-scatter's share is the measured
-    fraction minus the accumulate's share of the reduce-scatter's time (its kernel ms in
-    the same layer's ``bench_collectives`` profile over the collective's ms alone), at
-    least 0."""
-    data = read_result(results_dir, INTERFERENCE_FILE)
-    gemm: dict[str, dict[str, float]] = {}
-    comm: dict[str, dict[str, float]] = {}
-    alone: dict[tuple[str, str], float] = {}
-    for row in data["tables"][0]["rows"]:
-        if row.get("error") or _gemm_class(row) != shape_class:
-            continue
-        mode, op = row["mode"], row["op"]
-        gemm.setdefault(mode, {})[op] = max(0.0, row["slowdown_pct"] / 100)
-        comm.setdefault(mode, {})[op] = max(0.0, row["coll_beside_ms"] / row["coll_alone_ms"] - 1)
-        alone[(mode, op)] = row["coll_alone_ms"]
-    layer = data["config"]["layer"]
-    coll = read_result(results_dir, COLLECTIVES_FILE)["tables"][0]["rows"]
-    tide_rs = next(r for r in coll if r["layer"] == layer and r["mode"] == "tide")
-    acc_share = tide_rs["rs_sm_ms"] / alone[("tide", "rs")]
-    measured_tide_rs = gemm["tide"]["rs"]
-    gemm["tide"]["rs"] = max(0.0, measured_tide_rs - acc_share)
-    for table in (gemm, comm):
-        table["tide_ag"] = {"ag": table["tide"]["ag"], "rs": table["fsdp2"]["rs"]}
-    text = (
-        f"{INTERFERENCE_FILE}, GEMM {shape_class}: GEMM slowdown beside AG/RS and AG/RS "
-        f"slowdown beside the GEMMs (collective ms beside / alone) per mode (tide_ag: tide AG, "
-        f"fsdp2 RS); TIDE-RS's GEMM slowdown {measured_tide_rs:.3f} minus its accumulate "
-        f"kernel's share {acc_share:.3f} ({COLLECTIVES_FILE}: {tide_rs['rs_sm_ms']:.3f} SM-ms "
-        f"per {layer} RS), charged as accumulate ops"
-    )
-    return gemm, comm, text
+CAST_KERNEL = "CopyFunctor<c10::BFloat16, float"  # FSDP2's foreach fp32 -> bf16 cast
+DIVIDE_KERNEL = "MulFunctor"  # symm_mem's division after its force-sum reduce-scatter
 
 
 @functools.lru_cache(maxsize=8)
-def accumulate_rate(results_dir: Path) -> tuple[float, float, str]:
-    """(GiB/s read + written, SM share, source) of TIDE-RS's accumulate kernels in the
-    profiled 2-GPU Llama step (``ACCUMULATE_STEP``: kernel ms per step over the bytes
-    that step's phase 1 moves, ``8 S`` per group: 2 bf16 rows in, fp32 out); SM share =
-    SM-weighted ms / ms of the same profile. ``bench_accumulate``'s default kernel alone
-    is quoted beside it."""
+def transport_rates(results_dir: Path, layer: str) -> tuple[dict, dict, str]:
+    """(``transport_gibps``, ``sm_ns``, source) of ``layer`` (one FSDP group) at W = 2,
+    each from its own profiled device time in ``bench_collectives`` (round 1, per step):
+    fsdp2 all-gather / reduce-scatter: NCCL's ring kernels; symm_mem: the copy engine's
+    copies (zero-CTA all-gather) and NCCL's symmetric kernel plus its divide; tide: the
+    copy engine's copies (TIDE-RS: bf16 rows, its accumulate kernel is an op of its own).
+    Bytes ``S b`` per rank (``S`` = half the layer). The cast of every mode's all-gather
+    and symm_mem's divide: ns per shard element. Layout copies are not in these figures
+    (``layout_costs``), nor the host time of the ``unshard`` / ``post_backward`` call."""
+    coll = read_result(results_dir, COLLECTIVES_FILE)
+    numel = coll["config"]["layer_numel"].get(layer)
+    if not numel or layer not in coll["variants"]:
+        raise SimulateError(f"{COLLECTIVES_FILE}: no layer {layer!r}")
+    shard = numel / 2
+    profiles = {
+        mode: {op: v["rounds"][0]["profile"][op] for op in ("ag", "rs")}
+        for mode, v in coll["variants"][layer].items()
+    }
+
+    def rate(nbytes: float, ms: float) -> float:
+        return nbytes / GIB / (ms / 1e3)
+
+    fsdp2, symm, tide = profiles["fsdp2"], profiles["symm_mem"], profiles["tide"]
+    divide = _kernel_ms(symm["rs"], DIVIDE_KERNEL)
+    rates = {
+        "fsdp2": {"ag": rate(2 * shard, fsdp2["ag"]["nccl_kernel_ms"]),
+                  "rs": rate(4 * shard, fsdp2["rs"]["nccl_kernel_ms"])},
+        "symm_mem": {"ag": rate(2 * shard, symm["ag"]["memcpy_ms"]),
+                     "rs": rate(4 * shard, symm["rs"]["nccl_kernel_ms"])},
+        "tide": {"ag": rate(2 * shard, tide["ag"]["memcpy_ms"]),
+                 "rs": rate(2 * shard, tide["rs"]["memcpy_ms"])},
+    }  # fmt: skip
+    rates["tide_ag"] = {"ag": rates["tide"]["ag"], "rs": rates["fsdp2"]["rs"]}
+    sm = {mode: {"cast": 1e6 * _kernel_ms(profiles[mode]["ag"], CAST_KERNEL) / shard,
+                 "divide": 1e6 * divide / shard if mode == "symm_mem" else 0.0}
+          for mode in ("fsdp2", "symm_mem", "tide")}  # fmt: skip
+    sm["tide_ag"] = sm["tide"]
+    text = (
+        f"{COLLECTIVES_FILE}, layer {layer} (W = 2, profiled device time): fsdp2 NCCL ring "
+        f"AG {fsdp2['ag']['nccl_kernel_ms']:.2f} / RS {fsdp2['rs']['nccl_kernel_ms']:.2f} ms; "
+        f"symm_mem copy-engine AG {symm['ag']['memcpy_ms']:.2f}, symmetric RS kernel "
+        f"{symm['rs']['nccl_kernel_ms']:.2f} + divide {divide:.2f} ms; tide copy-engine AG "
+        f"{tide['ag']['memcpy_ms']:.2f} / RS {tide['rs']['memcpy_ms']:.2f} ms; the cast "
+        f"{_kernel_ms(fsdp2['ag'], CAST_KERNEL):.2f} ms (every mode; was counted in each "
+        "all-gather's figure before 2026-12-04, the layout copies twice in stock's)"
+    )
+    return rates, sm, text
+
+
+@functools.lru_cache(maxsize=8)
+def accumulate_rate(results_dir: Path) -> tuple[float, str]:
+    """(GiB/s read + written, source) of TIDE-RS's accumulate kernels in the profiled
+    2-GPU Llama step (``ACCUMULATE_STEP``: kernel ms per step over the bytes that step's
+    phase 1 moves, ``8 S`` per group: 2 bf16 rows in, fp32 out). ``bench_accumulate``'s
+    default kernel alone is quoted beside it. What the kernel takes from compute beside it
+    is an interference figure (engine ``sm_rs``), no longer a whole-GPU share."""
     from torchtitan_tide.comm.memory_plan import group_shard_numel
 
     name, row_mode = ACCUMULATE_STEP
@@ -247,16 +238,27 @@ def accumulate_rate(results_dir: Path) -> tuple[float, float, str]:
     shard = sum(group_shard_numel(g, 2) for g in measured_groups(config))
     gib = 8 * shard / GIB
     rate = gib / (row["rs_kernel_ms"] / 1e3)
-    share = row["rs_kernel_sm_weighted_ms"] / row["rs_kernel_ms"]
     bench = read_result(results_dir, ACCUMULATE_FILE)["tables"][0]["rows"]
     default = next(r for r in bench if "(default)" in r["variant"])
     text = (
         f"{name} ({row_mode!r} row): {row['rs_kernel_ms']:.2f} accumulate kernel ms per step "
-        f"for {gib:.2f} GiB read + written = {rate:.0f} GiB/s, SM share "
-        f"{row['rs_kernel_sm_weighted_ms']:.2f} / {row['rs_kernel_ms']:.2f} = {share:.2f} "
-        f"(alone, {ACCUMULATE_FILE} {default['variant']}: {default['gib_s']:.0f} GiB/s)"
+        f"for {gib:.2f} GiB read + written = {rate:.0f} GiB/s (alone, {ACCUMULATE_FILE} "
+        f"{default['variant']}: {default['gib_s']:.0f} GiB/s)"
     )
-    return rate, share, text
+    return rate, text
+
+
+@functools.lru_cache(maxsize=8)
+def copy_rate(results_dir: Path) -> tuple[float, str]:
+    """(GiB/s copied, source): a device-to-device copy on one H200 (``COPY_RATE``: read +
+    write GiB/s, halved); the placement and packing copies of TIDE's pipelined schedule."""
+    name, variant = COPY_RATE
+    rows = read_result(results_dir, name)["tables"][0]["rows"]
+    row = next(r for r in rows if r["variant"] == variant)
+    return row["gib_s"] / 2, (
+        f"{name} {variant}: {row['gib_s']:.0f} GiB/s read + write = {row['gib_s'] / 2:.0f} "
+        "GiB/s copied"
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -295,34 +297,16 @@ def layout_costs(results_dir: Path, trace_config: str) -> tuple[dict, str]:
                  "only; tide: none)")  # fmt: skip
 
 
-def tokens_per_gpu(table: Mapping[str, Any], model_args: Any) -> int:
-    """``local_batch_size`` x tokens per sample: ``seq_len``, or for Wan2.2 the patchified
-    latent (``[wan22] latent_frames x latent_height x latent_width / patch_size``)."""
-    training = table.get("training", {})
-    batch = int(training.get("local_batch_size", 8))
-    if hasattr(model_args, "patch_size"):
-        from models.wan22.job_config import Wan22DataConfig
-
-        data = {**vars(Wan22DataConfig()), **table.get("wan22", {})}
-        latent = (data["latent_frames"], data["latent_height"], data["latent_width"])
-        return batch * math.prod(n // p for n, p in zip(latent, model_args.patch_size))
-    return batch * int(training.get("seq_len", 2048))
-
-
-def shape_class_of(
-    model_args: Any, tokens: int, measured_classes: Collection[str] = ()
-) -> tuple[str, str]:
-    """The bench_interference GEMM whose measured interference the model's compute takes,
-    and the sentence saying why.
+def shape_class_of(model_args: Any, tokens: int) -> tuple[str, str]:
+    """The dense GEMM class of the model's compute (the bench_interference GEMM whose
+    figures its GEMMs and other kernels take), and the sentence saying why.
 
     Rule: ``single_wave`` when one launch of the feed-forward GEMM has output tiles (128 x
     128) that fit in one wave of the H200's SMs, else ``large``. MoE: tokens x top_k /
     experts rows per expert, one launch per expert (the for-loop); with ``use_grouped_mm``
     (TorchTitan's default) one grouped GEMM computes every expert, so a launch has the
-    experts' summed tiles (measured: Qwen3's grouped GEMM launches 132 CTAs, every SM).
-    Override: a grouped-mm MoE takes ``grouped_experts`` when ``measured_classes`` (the
-    complete classes of the interference result) holds it; that GEMM was timed at one
-    shape (128 experts x 512 rows), whatever this model's rows per expert."""
+    experts' summed tiles (measured: Qwen3's grouped GEMM launches 132 CTAs, every SM), and
+    its time is the ``grouped_experts`` class of its own (``interference.class_weights``)."""
     moe = getattr(model_args, "moe_args", None)
     rows = tokens * moe.top_k / moe.num_experts if moe is not None else tokens
     dim = int(getattr(model_args, "dim", 0))
@@ -332,72 +316,11 @@ def shape_class_of(
     if grouped:
         tiles *= moe.num_experts
         what = f"grouped expert GEMM, {moe.num_experts} x ({int(rows)} rows x dim {dim})"
-        if GROUPED in measured_classes:
-            return GROUPED, f"{what}: {GROUPED} measured beside the collectives"
     cls = SINGLE_WAVE if tiles <= H200_SMS else LARGE
     why = f"{what}: {tiles} tiles per launch vs {H200_SMS} SMs -> {cls}"
     if grouped:
-        why += (f" (the grouped GEMM itself has not been timed beside a collective: no {GROUPED} "
-                "rows)")  # fmt: skip
+        why += f" (its own kernels' time: class {GROUPED})"
     return cls, why
-
-
-def _gemm_class(row: Mapping[str, Any]) -> str:
-    """A bench_interference row's GEMM class: ``large`` of ``large (8192, 8192, 8192)``."""
-    return str(row["gemm"]).split(" ")[0]
-
-
-def interference_classes(results_dir: Path) -> set[str]:
-    """The GEMM classes of the committed interference result whose every (mode, op) row
-    the simulator reads has a measured slowdown both ways (a class missing any is not
-    offered: :func:`interference` would lack a figure)."""
-    rows = read_result(results_dir, INTERFERENCE_FILE)["tables"][0]["rows"]
-    needed = {(mode, op) for mode in ("fsdp2", "symm_mem", "tide") for op in ("ag", "rs")}
-    complete = set()
-    for cls in {_gemm_class(r) for r in rows}:
-        have = {(r["mode"], r["op"]) for r in rows if _gemm_class(r) == cls and not r.get("error")
-                and r.get("slowdown_pct") is not None and r.get("coll_beside_ms")}  # fmt: skip
-        if needed <= have:
-            complete.add(cls)
-    return complete
-
-
-def compute_from_trace(
-    trace: Mapping[str, Any], groups: Sequence[GroupShape], scale: float, recompute: bool
-) -> tuple[dict[str, GroupCompute], float, float]:
-    """Per group ms from a trace: the same group name, else (a block the trace does not
-    have) the median of the trace's ``layers.*``; times ``scale``; with ``recompute``
-    (full activation checkpointing in the target, none in the trace) backward + forward."""
-    by_name = {g["group"]: g for g in trace["groups"]}
-    layers = [g for n, g in by_name.items() if n.startswith("layers.")]
-    median_layer = {k: statistics.median(g[k] for g in layers) for k in ("fwd_ms", "bwd_ms")}
-    out = {}
-    for group in groups:
-        if group.name == "root":
-            continue
-        src = by_name.get(group.name) or (
-            median_layer if group.name.startswith("layers.") else None
-        )
-        if src is None:
-            raise SimulateError(f"the trace has no group {group.name!r} (it has {sorted(by_name)})")
-        fwd, bwd = scale * src["fwd_ms"], scale * src["bwd_ms"]
-        out[group.name] = GroupCompute(fwd, bwd + (fwd if recompute else 0.0))
-    return out, scale * trace["root_fwd_ms"], scale * trace["root_bwd_ms"]
-
-
-def compute_from_flops(
-    cm: Any, tokens: int, mfu: float, recompute: bool
-) -> dict[str, GroupCompute]:
-    """Without a trace: 2 x active params x tokens per forward, 4 x per backward, at
-    ``mfu`` of the H200's dense bf16 peak."""
-    out = {}
-    share = cm.active_numel / max(1, cm.total_numel)
-    for group in cm.groups:
-        if group.name == "root":
-            continue
-        fwd = 1e3 * 2 * group.numel * share * tokens / (H200_BF16_FLOPS * mfu)
-        out[group.name] = GroupCompute(fwd, 2 * fwd + (fwd if recompute else 0.0))
-    return out
 
 
 def trace_mismatch(trace: Mapping[str, Any], groups: Sequence[GroupShape]) -> str:
@@ -653,18 +576,20 @@ def newest_world1_trace(results_dir: Path, config: str) -> Path | None:
 def autocast_casts(
     compute: Mapping[str, GroupCompute],
     groups: Sequence[GroupShape],
-    ac: str,
+    ac: str | float,
     results_dir: Path,
     trace_config: str,
 ) -> tuple[dict[str, GroupCompute], str]:
     """What fp32 weights under autocast add to a bf16-parameter trace (the one-GPU
     trainer without a world-1 trace): per group, one fp32 -> bf16 cast of its weights per
-    forward (autocast caches it for the forward), one more per recompute under full
-    activation checkpointing, and the bf16 -> fp32 cast of its gradients in backward, each
-    at bench_floor's measured cast ms per element (fp32 read, bf16 write)."""
+    forward (autocast caches it for the forward), one more per recomputed forward (``ac``:
+    the ``[activation_checkpoint]`` mode, or the recomputed fraction), and the bf16 ->
+    fp32 cast of its gradients in backward, each at bench_floor's measured cast ms per
+    element (fp32 read, bf16 write)."""
     floor = _newest(sorted(results_dir.glob(f"*_floor_{trace_config}.json")))
     if floor is None:
         return dict(compute), f"no *_floor_{trace_config}.json: casts not charged"
+    redo = recompute_fraction({"mode": ac}, {})[0] if isinstance(ac, str) else float(ac)
     data = json.loads(floor.read_text())
     per_elem = data["cast_ms"] / data["work"]["shard_params"]
     out = {}
@@ -673,11 +598,105 @@ def autocast_casts(
             continue
         cast = per_elem * g.numel
         c = compute[g.name]
-        out[g.name] = GroupCompute(c.fwd_ms + cast, c.bwd_ms + cast * (1 + AC_FACTOR.get(ac, 0.0)))
+        out[g.name] = GroupCompute(c.fwd_ms + cast, c.bwd_ms + cast * (1 + redo))
     return out, (
         f"{floor.name}: cast {1e9 * per_elem:.2f} ps per element, once per weight in forward "
         "(+ once per recompute) and once per gradient in backward"
     )
+
+
+def _traced_workload(trace: Mapping[str, Any], model_args: Any) -> tuple[Workload, dict]:
+    """The traced config's workload and ``[activation_checkpoint]`` table."""
+    from torchtitan_tide.config import load_toml
+    from torchtitan_tide.launch.command_line import resolve_config
+
+    traced = load_toml(str(resolve_config(trace["config"])))
+    return workload_of(traced, model_args), traced.get("activation_checkpoint", {})
+
+
+def compute_inputs(
+    cm: Any, trace: Mapping[str, Any] | None, trace_name: str, work: Workload, mfu: float,
+    results_dir: Path, trace_config: str | None,
+) -> tuple[dict[str, GroupCompute], float, float, dict[str, float], dict[str, str]]:  # fmt: skip
+    """(per-group compute, root fwd / bwd ms, class time shares, sources) of ``cm`` at
+    ``work`` (``compute`` module: attention quadratic in the sequence, activation
+    checkpointing as configured)."""
+    sources: dict[str, str] = {}
+    ac = cm.table.get("activation_checkpoint", {})
+    flops_share = attention_flops_share(cm.model_args, work)[0]
+    profiled = trace if trace and (trace.get("profiled_iteration") or {}).get("kernels") else None
+    if profiled is None and trace_config:
+        path = newest_profiled_trace(results_dir, trace_config)
+        profiled = json.loads(path.read_text()) if path else None
+    shares = trace_shares(profiled) if profiled else None
+    if shares is None:
+        shares = {itf.ATTENTION: flops_share}
+    redo, sources["activation_checkpoint"] = recompute_fraction(ac, shares)
+    if trace is None:
+        compute = compute_from_flops(cm, work, mfu, H200_BF16_FLOPS, redo)
+        sources["compute"] = (
+            f"FLOPs (2/4 x active params x tokens + attention) at MFU {mfu} of "
+            f"{H200_BF16_FLOPS:.3g}"
+        )
+        return compute, 0.0, 0.0, shares, sources
+    traced, traced_ac = _traced_workload(trace, cm.model_args)
+    blocks = sum(g["fwd_ms"] + g["bwd_ms"] for g in trace["groups"]
+                 if g["group"].startswith("layers."))  # fmt: skip
+    attention, why = attention_share_of_blocks(profiled or {}, blocks)
+    if attention is None:
+        attention, why = attention_flops_share(cm.model_args, traced)[0], "by FLOPs (modeled)"
+    had = recompute_fraction(traced_ac, shares, where=f"{trace['config']}'s")[0]
+    quadratic = attention_flops_share(cm.model_args, traced)[1]  # the traced time's split
+    compute, root_fwd, root_bwd = compute_from_trace(
+        trace, cm.groups, work, traced, attention, quadratic, (redo, had)
+    )
+    sources["compute"] = (
+        f"trace {trace_name} (bench_trace, {trace['metadata']['machine']}) at "
+        f"{traced.tokens} tokens / sequence {traced.seq_len}, scaled to {work.tokens} / "
+        f"{work.seq_len}: attention {100 * attention:.1f}% of the blocks' time ({why}; "
+        f"{100 * quadratic:.0f}% of it self-attention, quadratic in the sequence), the rest "
+        f"linear in tokens; recompute {redo:.2f} forward (traced {had:.2f})"
+    )
+    return compute, root_fwd, root_bwd, shares, sources
+
+
+def engine_inputs(
+    results_dir: Path,
+    trace_config: str | None,
+    cm: Any,
+    shares: Mapping[str, float],
+    tokens: int,
+) -> tuple[dict[str, tuple[float, float]], dict[str, float], str, tuple, dict[str, str]]:
+    """(engines (f, g) mixed over this model's classes, class weights, the dense GEMM
+    class, the per-class table as rows, sources)."""
+    sources: dict[str, str] = {}
+    dense, sources["shape_class"] = shape_class_of(cm.model_args, tokens)
+    steps = {m: f for m, (f, _) in MEASURED_STEPS.get(trace_config or "", {}).items()}
+    layer = COLLECTIVE_LAYER.get(cm.spec_name, "llama70b")
+    if trace_config and steps:
+        coll = read_result(results_dir, COLLECTIVES_FILE)
+        g_ce, ce_source = itf.ce_in_step(results_dir, steps, measured_groups(trace_config),
+                                         layer, coll["config"]["layer_numel"][layer])  # fmt: skip
+    else:
+        g_ce, ce_source = 0.0, "no profiled 2-GPU step of this model: copy engine not stretched"
+    table = itf.figure_table(results_dir, g_ce, ce_source)
+    weights = {
+        (dense if cls not in (itf.ATTENTION, itf.GROUPED) else cls): w for cls, w in shares.items()
+    }
+    if itf.GROUPED in weights and not getattr(getattr(cm.model_args, "moe_args", None),
+                                              "use_grouped_mm", False):  # fmt: skip
+        weights[dense] = weights.get(dense, 0.0) + weights.pop(itf.GROUPED)
+    text = ", ".join(f"{c} {100 * w:.1f}%" for c, w in sorted(weights.items()))
+    sources["class_weights"] = f"{text} (time shares of the profiled trace's kernels, else FLOPs)"
+    one = itf.one_gpu_file(results_dir)
+    sources["interference"] = (
+        f"per engine and class ({', '.join(sorted({f.kind for f in table.values()}))}): the "
+        f"2x H200 {INTERFERENCE_FILE} split by engine; one-GPU result: "
+        f"{one.name if one else 'none committed (bench_interference.py --one-gpu)'}; "
+        "report table 'Interference per engine and compute class'"
+    )
+    sources["copy_engine_in_step"] = ce_source
+    return itf.mix(table, weights), weights, dense, tuple(itf.table_rows(table)), sources
 
 
 def build_inputs(
@@ -686,16 +705,20 @@ def build_inputs(
     trace_path: str | Path | None,
     mfu: float,
     world1: bool = False,
+    workload: Workload | None = None,
 ) -> Inputs:
     """The inputs of ``cm`` (a ``fsdp_groups.ConfigModel``) from the committed results.
     ``world1``: what the one-GPU trainer runs (no FSDP: fp32 weights under autocast):
     the world-1 trace when one exists (else the bf16-parameter trace, said in
-    ``sources["compute"]``) and the full model's optimizer."""
+    ``sources["compute"]``) and the full model's optimizer. ``workload``: tokens per GPU
+    and sequence length other than the config's (the report's sensitivity)."""
+    results_dir = Path(results_dir)
     model = cm.spec_name
     trace_config = TRACE_CONFIG.get(model)
-    tokens = tokens_per_gpu(cm.table, cm.model_args)
-    ac = cm.table.get("activation_checkpoint", {}).get("mode", "selective")
+    work = workload or workload_of(cm.table, cm.model_args)
     sources: dict[str, str] = {}
+    if workload is not None:
+        sources["workload"] = f"{work.tokens} tokens per GPU, sequence {work.seq_len} (set)"
     path = Path(trace_path) if trace_path else None
     if path is None and trace_config:
         w1 = newest_world1_trace(results_dir, trace_config) if world1 else None
@@ -709,29 +732,13 @@ def build_inputs(
     if trace is not None and (why_not := trace_mismatch(trace, cm.groups)):
         sources["trace_not_used"] = f"{Path(path).name}: {why_not}"
         trace = None
-    if trace is not None:
-        from torchtitan_tide.config import load_toml
-        from torchtitan_tide.launch.command_line import resolve_config
-
-        traced = load_toml(str(resolve_config(trace["config"])))
-        traced_tokens = tokens_per_gpu(traced, cm.model_args)
-        traced_ac = traced.get("activation_checkpoint", {}).get("mode", "selective")
-        scale = tokens / traced_tokens
-        recompute = AC_FACTOR.get(ac, 0.0) > AC_FACTOR.get(traced_ac, 0.0)
-        compute, root_fwd, root_bwd = compute_from_trace(trace, cm.groups, scale, recompute)
-        sources["compute"] = (
-            f"trace {Path(path).name} (bench_trace, {trace['metadata']['machine']}), "
-            f"x {scale:.3f} tokens per GPU"
-            + (", + forward recompute (full AC)" if recompute else "")
-        )
-    else:
-        recompute = AC_FACTOR.get(ac, 0.0) > 0
-        compute, root_fwd, root_bwd = compute_from_flops(cm, tokens, mfu, recompute), 0.0, 0.0
-        sources["compute"] = (
-            f"FLOPs (2/4 x active params x tokens) at MFU {mfu} of {H200_BF16_FLOPS:.3g}"
-        )
+    compute, root_fwd, root_bwd, shares, more = compute_inputs(
+        cm, trace, Path(path).name if path else "", work, mfu, results_dir, trace_config
+    )
+    sources.update(more)
     if "world1_trace" in sources and trace is not None:
-        compute, sources["autocast"] = autocast_casts(compute, cm.groups, ac, results_dir,
+        redo = recompute_fraction(cm.table.get("activation_checkpoint", {}), shares)[0]
+        compute, sources["autocast"] = autocast_casts(compute, cm.groups, redo, results_dir,
                                                       trace_config or "")  # fmt: skip
     opt_path = Path(path) if trace is not None else _any_trace(results_dir)
     opt_trace = trace or json.loads(opt_path.read_text())
@@ -749,16 +756,18 @@ def build_inputs(
             sources["compute"] += f", x {level:.3f} in-step level (applied)"
     host, sources["host"] = host_ms(cm.table, trace_config or "", results_dir)
     layer = COLLECTIVE_LAYER.get(model, "llama70b")
-    bandwidth, sources["bandwidth"] = collective_bandwidths(results_dir, layer)
-    cls, why = shape_class_of(cm.model_args, tokens, interference_classes(results_dir))
-    gemm, comm, sources["interference"] = interference(results_dir, cls)
-    sources["shape_class"] = why
-    acc_gibps, acc_share, sources["accumulate"] = accumulate_rate(results_dir)
+    transport, sm_ns, sources["transport"] = transport_rates(results_dir, layer)
+    engines, weights, dense, figures, more = engine_inputs(
+        results_dir, trace_config, cm, shares, work.tokens
+    )
+    sources.update(more)
+    acc_gibps, sources["accumulate"] = accumulate_rate(results_dir)
+    copy_gibps, sources["copy"] = copy_rate(results_dir)
     sources["cross_node"] = cross_node_transports(results_dir)
     layout, sources["layout"] = layout_costs(results_dir, trace_config or "")
     inputs = Inputs(
-        compute, root_fwd, root_bwd, opt, host, bandwidth, gemm, layout, cls,
-        comm, acc_gibps, acc_share, sources, None if applied else level,
+        compute, root_fwd, root_bwd, opt, host, transport, layout, dense, engines, sm_ns,
+        weights, acc_gibps, copy_gibps, sources, None if applied else level, figures,
     )  # fmt: skip
     return with_compute_level(inputs, level) if applied and level is not None else inputs
 

@@ -1,8 +1,12 @@
 """The simulator's committed report (``python -m torchtitan_tide.simulator --report``):
-validation against the measured 2x H200 and one-GPU steps, the reference configs at
-8-64 GPUs, tide against both SymmMem generations at 64 GPUs beside the paper's figures,
-sensitivity to the cluster and TIDE's cross-node options, and a picture of one
-simulated step per mode. Writes ``<date>_<machine>_<commit>_simulation.{json,md,png}``
+validation against the measured 2x H200 and one-GPU steps, tide against stock FSDP2 and
+both SymmMem generations at 64 GPUs with each step's breakdown (compute, SM time taken
+from compute, layout copies, exposed communication in forward / backward / tail) beside
+the paper's figures and every assumption of ours the paper does not state, the
+interference table per engine and compute class (measured or modeled), the reference
+configs at 8-64 GPUs, the sensitivity to tokens per GPU x NIC bandwidth for the three
+models and to the cluster and TIDE's options, and a picture of one simulated step per
+mode. Writes ``<date>_<machine>_<commit>_simulation.{json,md,png}``
 (the naming of scripts/bench/common.py). Every figure is a SIMULATION except the
 ``measured_step_ms`` column of the validation. Reads only what the model returns
 (rows, sources) and the measured steps (``inputs.measured_step`` / ``world1_step``)."""
@@ -14,6 +18,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from torchtitan_tide.comm import schedule as tide_schedule
+from torchtitan_tide.comm.schedule import PIPELINED, SERIAL
 from torchtitan_tide.simulator.cluster import NCCL_MEASURED, Cluster
 from torchtitan_tide.simulator.engine import idle_and_comm
 from torchtitan_tide.simulator.inputs import (
@@ -21,13 +27,16 @@ from torchtitan_tide.simulator.inputs import (
     MODES,
     REPO,
     Inputs,
+    Workload,
     build_inputs,
     inputs_record,
     measured_step,
     stock_step_spread,
     with_compute_level,
+    without_comm_slowdown,
     world1_step,
 )
+from torchtitan_tide.simulator.network import SOURCES as LINK_SOURCES
 from torchtitan_tide.simulator.step import simulate_config
 
 TOLERANCE_PCT = 5.0
@@ -45,15 +54,42 @@ PAPER = (
     "Llama-3.1 70B, Wan2.2 and Qwen3-30B-A3B; the abstract does not say which model "
     "reaches either figure"
 )
+# What the paper's abstract does not state and the simulation has to assume.
+ASSUMPTIONS = (
+    "node shape: 8 GPUs per node (8 x 8 at 64 GPUs); the abstract gives only '64 GPUs'",
+    (
+        "network: one 400 Gb/s NIC per GPU (8x400G), NCCL's flat ring across nodes for stock "
+        "FSDP2; sensitivity at 100 / 200 Gb/s"
+    ),
+    (
+        "tokens per GPU: the configs' (Llama and Qwen3 8192 in one sequence, Wan2.2 one latent "
+        "of 32,760 tokens); sensitivity at 2048 / 4096 / 8192 (one sequence each)"
+    ),
+    "activation checkpointing: full in every reference config (the abstract does not say)",
+    (
+        "precision: bf16 parameters and gradients, fp32 reduce (stock FSDP2 sends fp32), fp32 "
+        "master weights, fused AdamW"
+    ),
+    (
+        "SymmMem baseline: NCCL 2.28.9 (measured on 2x H200) and NCCL 2.31.2 (hierarchical "
+        "zero-SM all-gather, LSA+GIN reduce-scatter: modeled from release notes); tide is "
+        "compared with the stronger"
+    ),
+    (
+        "TIDE: the schedule the code runs (torchtitan_tide/comm/schedule.py CURRENT), fp32 "
+        "partials on the RS wire, send/recv across nodes unless a row says one-sided"
+    ),
+    "H200 SXM GPUs at the power-capped clocks of the measured machines",
+)
 # Residuals no measured input explains (found by reading the committed profiles; no
 # factor is fitted to close them).
 UNEXPLAINED = {
     ("h200x2_llama70b_4layers", "tide"): (
         "not explained by a measured input: every TIDE kernel and both interference "
-        "directions are charged; left: the copy engine's HBM traffic beside the step's "
-        "bandwidth-bound kernels (bench_interference times GEMMs only), TIDE's host work "
-        "per group, and the 2-GPU step's SM clock (Llama's trace runs power-capped at "
-        "~1470-1560 MHz); a 2-GPU profiled step breakdown with clocks would split it"
+        "directions are charged per engine; left: TIDE's host work per group (the "
+        "all-gather run-ahead bound waits on the host), the copy engine's HBM traffic "
+        "beside the step's bandwidth-bound kernels (measured beside GEMMs only), and the "
+        "2-GPU step's SM clock (Llama's trace runs power-capped at ~1470-1560 MHz)"
     ),
     ("h200x2_qwen3_30b_a3b_4layers", "fsdp2"): (
         "not explained by a measured input: the largest uncertain term is compute slowed "
@@ -155,7 +191,7 @@ def _residual(config, mode, gpus, sim_row, measured, source, sources) -> dict[st
     return {
         "config": config, "mode": mode, "gpus": gpus, "simulated_step_ms": simulated,
         "measured_step_ms": measured, "residual_pct": res, "within_5pct": ok, "stock_range": "",
-        "sm_ms_taken": sim_row["sim_sm_ms_taken"], "accumulate_ms": sim_row["sim_sm_kernel_ms"],
+        "sm_ms_taken": sim_row["sim_sm_ms_taken"], "accumulate_ms": sim_row["sim_accumulate_ms"],
         "comm_slowed_ms": sim_row["sim_comm_slowed_ms"],
         "missing": "" if ok else _why(config, mode, sources), "measured_source": source,
         "sources": dict(sources),
@@ -189,26 +225,44 @@ def reference_rows(results_dir: Path, cluster: Cluster) -> tuple[list[dict], dic
     return rows, inputs
 
 
+def _variants(old: Cluster, new: Cluster) -> list[tuple[str, str, Cluster, dict]]:
+    """The 64-GPU comparison's rows: (mode, label, cluster, simulate_config options)."""
+    current = tide_schedule.CURRENT
+    other = PIPELINED if current is not PIPELINED else None
+    rows = [
+        ("fsdp2", "fsdp2", old, {}),
+        ("symm_mem", f"symm_mem (NCCL {NCCL_MEASURED})", old, {}),
+        ("symm_mem", f"symm_mem (NCCL {NCCL_NEW})", new, {}),
+        ("tide", f"tide ({current.name}: as built)", old, {}),
+    ]
+    if other is not None:
+        rows.append(("tide", f"tide, {other.name} (issue 34, modeled)", old, {"schedule": other}))
+    for sched in (current, other):
+        if sched is None:
+            continue
+        tag = f"{sched.name}, " if other is not None else ""
+        rows += [
+            ("tide", f"tide, {tag}one-sided cross-node (modeled)", old,
+             {"schedule": sched, "cross_node": "one_sided"}),
+            ("tide", f"tide, {tag}one-sided + bf16 wire (modeled)", old,
+             {"schedule": sched, "cross_node": "one_sided", "rs_wire_bytes": 2}),
+        ]  # fmt: skip
+    return rows
+
+
 def baseline_rows(results_dir: Path, cluster: Cluster, gpus: int = 64) -> list[dict[str, Any]]:
     """Per model at ``gpus``: fsdp2, symm_mem on NCCL 2.28.9 and on NCCL >= 2.31, tide
-    (today's transport, and the modeled bf16-wire / one-sided options); tide's step-time
-    reduction and speed-up against fsdp2 and against the stronger symm_mem."""
+    (the schedule the code runs; the other schedule and the modeled one-sided / bf16-wire
+    options), each with its step breakdown; tide's step-time reduction and speed-up
+    against fsdp2 and against the stronger symm_mem."""
     from torchtitan_tide.fsdp_groups import load_config_model
 
     out: list[dict[str, Any]] = []
     cms: dict[str, Any] = {}
     old, new = replace(cluster, nccl_version=NCCL_MEASURED), replace(cluster, nccl_version=NCCL_NEW)
+    variants = _variants(old, new)
     for model in ("llama70b", "qwen3_30b_a3b", "wan22_a14b"):
-        for mode, label, clu, kw in (
-            ("fsdp2", "fsdp2", old, {}),
-            ("symm_mem", f"symm_mem (NCCL {NCCL_MEASURED})", old, {}),
-            ("symm_mem", f"symm_mem (NCCL {NCCL_NEW})", new, {}),
-            ("tide", "tide", old, {}),
-            ("tide", "tide, bf16 RS wire (modeled)", old, {"rs_wire_bytes": 2}),
-            ("tide", "tide, one-sided cross-node (modeled)", old, {"cross_node": "one_sided"}),
-            ("tide", "tide, one-sided + bf16 wire (modeled)", old,
-             {"cross_node": "one_sided", "rs_wire_bytes": 2}),
-        ):  # fmt: skip
+        for mode, label, clu, kw in variants:
             config = f"{model}_{mode}"
             if config not in cms:
                 cm = load_config_model(config)
@@ -216,12 +270,12 @@ def baseline_rows(results_dir: Path, cluster: Cluster, gpus: int = 64) -> list[d
             cm, inp = cms[config]
             r = simulate_config(config, gpus, [mode], clu, results_dir, cm=cm, inputs=inp, **kw)
             r = r["rows"][0]
-            unslowed = replace(inp, comm_slowdown={})
             r["step_ms_comm_not_slowed"] = simulate_config(
-                config, gpus, [mode], clu, results_dir, cm=cm, inputs=unslowed, **kw
-            )["rows"][0]["sim_step_ms"]
+                config, gpus, [mode], clu, results_dir, cm=cm, inputs=without_comm_slowdown(inp),
+                **kw,
+            )["rows"][0]["sim_step_ms"]  # fmt: skip
             out.append({"model": model, "gpus": gpus, "variant": label, **r})
-        _compare(out[-7:])
+        _compare(out[-len(variants) :])
     return out
 
 
@@ -242,47 +296,101 @@ def _compare(rows: list[dict[str, Any]]) -> None:
 
 def ring_rs_symm_mem(inputs: Inputs) -> Inputs:
     """``inputs`` with symm_mem's reduce-scatter replaced by NCCL's ring (fsdp2's measured
-    bandwidth and interference): symm_mem with only its all-gather in symmetric memory,
-    what the public API allows on NCCL < 2.30.7 (not built)."""
+    rate and the ring kernel's interference): symm_mem with only its all-gather in
+    symmetric memory, what the public API allows on NCCL < 2.30.7 (not built)."""
+    transport = {
+        **inputs.transport_gibps,
+        "symm_mem": {
+            **inputs.transport_gibps["symm_mem"],
+            "rs": inputs.transport_gibps["fsdp2"]["rs"],
+        },
+    }
+    engines = {**inputs.engines, "nccl_symk": inputs.engines["nccl"]}
+    return replace(inputs, transport_gibps=transport, engines=engines)
 
-    def with_rs(table):
-        return {**table, "symm_mem": {**table["symm_mem"], "rs": table["fsdp2"]["rs"]}}
 
-    return replace(
-        inputs,
-        bandwidth_gibps=with_rs(inputs.bandwidth_gibps),
-        interference=with_rs(inputs.interference),
-        comm_slowdown=with_rs(inputs.comm_slowdown),
-    )
+TOKENS = (2048, 4096, 8192)
+NIC_GBPS = (100, 200, 400)
 
 
 def sensitivity_rows(results_dir: Path, cluster: Cluster) -> list[dict[str, Any]]:
-    """Llama-3.1-70B and Qwen3-30B-A3B at 64 GPUs: NIC Gb/s per GPU, GPUs per node, the
-    NCCL generation, collectives not slowed by compute (what the measured factor, taken
-    at 2 GPUs over NVLink, contributes at 64), and symm_mem with NCCL's ring RS."""
+    """Llama-3.1-70B and Qwen3-30B-A3B at 64 GPUs: GPUs per node, the NCCL generation,
+    collectives not slowed by compute, symm_mem with NCCL's ring RS, and TIDE's schedule."""
     from torchtitan_tide.fsdp_groups import load_config_model
 
     rows = []
-    variants = [
-        ("nic_gbps_per_gpu", v, replace(cluster, nic_gbps_per_gpu=v)) for v in (100, 200, 400, 800)
-    ]
-    variants += [("gpus_per_node", v, replace(cluster, gpus_per_node=v)) for v in (4, 8)]
-    variants += [
-        ("nccl_version", v, replace(cluster, nccl_version=v)) for v in ("2.30.7", NCCL_NEW)
-    ]
+    variants = [("gpus_per_node", v, replace(cluster, gpus_per_node=v), {}) for v in (4, 8)]
+    variants += [("nccl_version", v, replace(cluster, nccl_version=v), {})
+                 for v in ("2.30.7", NCCL_NEW)]  # fmt: skip
+    variants += [("TIDE schedule", s.name, cluster, {"schedule": s}) for s in (SERIAL, PIPELINED)]
     for config in ("llama70b_fsdp2", "qwen3_30b_a3b_fsdp2"):
         cm = load_config_model(config)
         inp = build_inputs(cm, results_dir, None, 0.4)
-        unslowed = replace(inp, comm_slowdown={})
-        for knob, value, variant, ins in [
-            *((k, v, c, inp) for k, v, c in variants),
-            ("comm slowed by compute", "off (not applied)", cluster, unslowed),
-            ("symm_mem RS (NCCL 2.28.9)", "ring (not built)", cluster, ring_rs_symm_mem(inp)),
-        ]:
-            sim = simulate_config(config, 64, MODES, variant, results_dir, cm=cm, inputs=ins)
+        for knob, value, variant, ins, kw in [
+            *((k, v, c, inp, kw) for k, v, c, kw in variants),
+            ("comm slowed by compute", "off (not applied)", cluster,
+             without_comm_slowdown(inp), {}),
+            ("symm_mem RS (NCCL 2.28.9)", "ring (not built)", cluster, ring_rs_symm_mem(inp), {}),
+        ]:  # fmt: skip
+            sim = simulate_config(config, 64, MODES, variant, results_dir, cm=cm, inputs=ins, **kw)
             rows += [
                 {"model": model_of(config), "knob": knob, "value": value, **r} for r in sim["rows"]
             ]
+    return rows
+
+
+def tokens_nic_rows(
+    results_dir: Path, cluster: Cluster, gpus: int = 64,
+    tokens_per_gpu: tuple[int, ...] = TOKENS, nics: tuple[int, ...] = NIC_GBPS,
+    models: tuple[str, ...] = ("llama70b", "qwen3_30b_a3b", "wan22_a14b"),
+) -> list[dict[str, Any]]:  # fmt: skip
+    """The three models at ``gpus``: tokens per GPU (one sequence) x NIC Gb/s per GPU; tide
+    (the schedule the code runs, and the pipelined one) against stock FSDP2 and against
+    symm_mem on NCCL 2.31.2."""
+    from torchtitan_tide.fsdp_groups import load_config_model
+
+    rows = []
+    new = replace(cluster, nccl_version=NCCL_NEW)
+    for model in models:
+        cms = {m: load_config_model(f"{model}_{m}") for m in ("fsdp2", "symm_mem", "tide")}
+        for tokens in tokens_per_gpu:
+            work = Workload(tokens, tokens)
+            ins = {m: build_inputs(cm, results_dir, None, 0.4, workload=work)
+                   for m, cm in cms.items()}  # fmt: skip
+            for nic in nics:
+                old_nic, new_nic = replace(cluster, nic_gbps_per_gpu=nic), replace(
+                    new, nic_gbps_per_gpu=nic)  # fmt: skip
+                step = {}
+                for key, mode, clu, kw in (
+                    ("fsdp2", "fsdp2", old_nic, {}), ("symm_mem", "symm_mem", new_nic, {}),
+                    ("tide", "tide", old_nic, {}),
+                    ("tide_pipelined", "tide", old_nic, {"schedule": PIPELINED}),
+                ):  # fmt: skip
+                    sim = simulate_config(f"{model}_{mode}", gpus, [mode], clu, results_dir,
+                                          cm=cms[mode], inputs=ins[mode], **kw)  # fmt: skip
+                    step[key] = sim["rows"][0]["sim_step_ms"]
+                rows.append({
+                    "model": model, "tokens_per_gpu": tokens, "nic_gbps_per_gpu": nic,
+                    **{f"{k}_ms": v for k, v in step.items()},
+                    "tide_vs_fsdp2": step["fsdp2"] / step["tide"],
+                    "tide_vs_symm_mem_2_31": step["symm_mem"] / step["tide"],
+                    "pipelined_vs_fsdp2": step["fsdp2"] / step["tide_pipelined"],
+                    "pipelined_vs_symm_mem_2_31": step["symm_mem"] / step["tide_pipelined"],
+                })  # fmt: skip
+    return rows
+
+
+def assumption_rows(inputs: dict[str, Inputs]) -> list[dict[str, str]]:
+    """The paper's figures, our assumptions it does not state, and the physical figures
+    the model uses (each with its source)."""
+    rows = [{"kind": "paper (abstract)", "what": PAPER}]
+    rows += [{"kind": "our assumption", "what": a} for a in ASSUMPTIONS]
+    rows += [{"kind": f"modeled: {k}", "what": v} for k, v in LINK_SOURCES.items()]
+    for config, inp in inputs.items():
+        rows.append({"kind": f"measured: copy engine in the 2-GPU step ({config})",
+                     "what": inp.sources.get("copy_engine_in_step", "")})  # fmt: skip
+        rows.append({"kind": f"measured: compute classes ({config})",
+                     "what": inp.sources.get("class_weights", "")})  # fmt: skip
     return rows
 
 
@@ -296,27 +404,45 @@ VALIDATION_COLUMNS = [("config", "config"), ("mode", "mode"), ("gpus", "GPUs"),
                       ("in_step_simulated_ms", "simulated at in-step level ms"),
                       ("in_step_residual_pct", "residual at in-step level %"),
                       ("missing", "missing input / mechanism (residual > 5%)"), ("parts", "parts")]  # fmt: skip
+BREAKDOWN = [("sim_bd_compute_ms", "compute ms"),
+             ("sim_bd_sm_taken_ms", "SM time taken from compute ms"),
+             ("sim_bd_layout_ms", "layout copies ms"),
+             ("sim_bd_exposed_fwd_ms", "exposed comm: forward ms"),
+             ("sim_bd_exposed_bwd_ms", "exposed comm: backward ms"),
+             ("sim_bd_exposed_tail_ms", "exposed comm: tail ms"),
+             ("sim_bd_optimizer_ms", "optimizer ms"), ("sim_bd_host_ms", "host ms")]  # fmt: skip
 BASELINE_COLUMNS = [("model", "model"), ("variant", "variant"), ("sim_step_ms", "sim step ms"),
                     ("vs_fsdp2_reduction_pct", "step-time reduction vs fsdp2 %"),
                     ("vs_fsdp2_speedup", "speed-up vs fsdp2"),
                     ("stronger_symm_mem", "stronger symm_mem"),
                     ("vs_symm_reduction_pct", "reduction vs stronger symm_mem %"),
                     ("vs_symm_speedup", "speed-up vs stronger symm_mem"),
+                    *BREAKDOWN, ("sim_accumulate_ms", "TIDE accumulate ms"),
+                    ("sim_comm_slowed_ms", "comm slowed by compute ms"),
                     ("step_ms_comm_not_slowed", "sim step ms, comm not slowed"),
                     ("vs_fsdp2_speedup_comm_not_slowed", "speed-up vs fsdp2, comm not slowed"),
-                    ("vs_symm_speedup_comm_not_slowed", "speed-up vs stronger symm_mem, comm not slowed"),
-                    ("sim_sm_ms_taken", "SM-ms taken"), ("sim_sm_kernel_ms", "accumulate ms"),
-                    ("sim_comm_slowed_ms", "comm slowed ms"), ("sim_exposed_ms", "exposed ms")]  # fmt: skip
+                    ("vs_symm_speedup_comm_not_slowed",
+                     "speed-up vs stronger symm_mem, comm not slowed")]  # fmt: skip
 REFERENCE_COLUMNS = [("config", "config"), ("gpus", "GPUs"), ("nodes", "nodes"), ("mode", "mode"),
                      ("sim_step_ms", "sim step ms"), ("sim_speedup_vs_fsdp2", "sim speed-up vs fsdp2"),
-                     ("sim_exposed_ms", "sim exposed ms"), ("sim_exposed_first_ms", "first AG"),
-                     ("sim_exposed_between_ms", "between"), ("sim_exposed_last_ms", "last RS"),
-                     ("sim_sm_ms_taken", "SM-ms taken from compute"),
-                     ("sim_sm_kernel_ms", "TIDE accumulate ms"),
-                     ("sim_comm_slowed_ms", "comm slowed by compute ms"), ("sim_layout_ms", "layout ms")]  # fmt: skip
+                     *BREAKDOWN, ("sim_accumulate_ms", "TIDE accumulate ms"),
+                     ("sim_comm_slowed_ms", "comm slowed by compute ms")]  # fmt: skip
 SENSITIVITY_COLUMNS = [("model", "model"), ("knob", "cluster knob"), ("value", "value"), ("mode", "mode"),
                        ("sim_step_ms", "sim step ms"), ("sim_speedup_vs_fsdp2", "speed-up vs fsdp2"),
                        ("sim_exposed_ms", "exposed ms")]  # fmt: skip
+TOKENS_NIC_COLUMNS = [("model", "model"), ("tokens_per_gpu", "tokens per GPU"),
+                      ("nic_gbps_per_gpu", "NIC Gb/s per GPU"), ("fsdp2_ms", "fsdp2 ms"),
+                      ("symm_mem_ms", f"symm_mem (NCCL {NCCL_NEW}) ms"),
+                      ("tide_ms", "tide (as built) ms"), ("tide_vs_fsdp2", "tide vs fsdp2"),
+                      ("tide_vs_symm_mem_2_31", "tide vs symm_mem"),
+                      ("tide_pipelined_ms", "tide (pipelined) ms"),
+                      ("pipelined_vs_fsdp2", "pipelined vs fsdp2"),
+                      ("pipelined_vs_symm_mem_2_31", "pipelined vs symm_mem")]  # fmt: skip
+INTERFERENCE_COLUMNS = [("engine", "engine"), ("compute_class", "compute class"),
+                        ("compute_slowdown_pct", "compute slowed beside it %"),
+                        ("comm_slowdown_pct", "it slowed beside compute %"),
+                        ("kind", "measured or modeled"), ("source", "source")]  # fmt: skip
+ASSUMPTION_COLUMNS = [("kind", "what"), ("what", "figure or assumption")]
 
 
 SOURCE_COLUMNS = [("config", "config"), ("input", "input"), ("source", "source")]
@@ -343,20 +469,41 @@ def source_rows(validation: list[dict[str, Any]], cluster: Cluster) -> list[dict
     return rows
 
 
+def _table(title: str, columns: list, rows: list) -> dict[str, Any]:
+    return {"title": title, "columns": columns, "rows": rows}
+
+
 def write_report(results_dir: Path, out_dir: Path, cluster: Cluster) -> dict[str, str]:
     """Compute everything and write the JSON, Markdown and PNG; returns their paths."""
     common = _common()
     validation = validation_rows(results_dir, cluster)
     baseline = baseline_rows(results_dir, cluster)
     reference, inputs = reference_rows(results_dir, cluster)
+    tokens_nic = tokens_nic_rows(results_dir, cluster)
     sensitivity = sensitivity_rows(results_dir, cluster)
+    from torchtitan_tide.fsdp_groups import load_config_model
+
+    models = {m: build_inputs(load_config_model(f"{m}_tide"), results_dir, None, 0.4)
+              for m in ("llama70b", "qwen3_30b_a3b", "wan22_a14b")}  # fmt: skip
+    assumptions = assumption_rows(models)
+    figures = list(models["llama70b"].figures)
     meta = common.metadata(max(GPU_COUNTS), machine="cpu")
     stem = common.result_stem(out_dir, "simulation", meta)
+    sim = f"SIMULATION; {cluster.name}"
     tables = [
-        {"title": "Validation: simulated vs measured steps (2x H200; one H200)", "columns": VALIDATION_COLUMNS, "rows": validation},
-        {"title": f"64 GPUs: tide against stock FSDP2 and both SymmMem generations (SIMULATION; {cluster.name}). {PAPER}", "columns": BASELINE_COLUMNS, "rows": baseline},
-        {"title": f"Reference configs at 8-64 GPUs (SIMULATION; cluster: {cluster.name})", "columns": REFERENCE_COLUMNS, "rows": reference},
-        {"title": "Sensitivity at 64 GPUs (SIMULATION)", "columns": SENSITIVITY_COLUMNS, "rows": sensitivity},
+        _table("Validation: simulated vs measured steps (2x H200; one H200)",
+               VALIDATION_COLUMNS, validation),
+        _table("64 GPUs: tide against stock FSDP2 and both SymmMem generations, with the "
+               f"step's breakdown ({sim})", BASELINE_COLUMNS, baseline),
+        _table("The paper's figures, our assumptions it does not state, the modeled links",
+               ASSUMPTION_COLUMNS, assumptions),
+        _table("Sensitivity at 64 GPUs: tokens per GPU x NIC Gb/s per GPU, vs stock FSDP2 and "
+               f"vs symm_mem on NCCL {NCCL_NEW} ({sim})", TOKENS_NIC_COLUMNS, tokens_nic),
+        _table("Interference per engine and compute class (f: compute beside it, g: it beside "
+               "compute; what is measured, derived or modeled)", INTERFERENCE_COLUMNS, figures),
+        _table(f"Reference configs at 8-64 GPUs ({sim})", REFERENCE_COLUMNS, reference),
+        _table(f"Sensitivity at 64 GPUs: node shape, NCCL, TIDE schedule, comm not slowed ({sim})",
+               SENSITIVITY_COLUMNS, sensitivity),
     ]  # fmt: skip
     sources = source_rows(validation, cluster)
     tables.append({"title": "Inputs and their sources (the validation rows)",
@@ -367,8 +514,12 @@ def write_report(results_dir: Path, out_dir: Path, cluster: Cluster) -> dict[str
         "metadata": meta,
         "cluster": asdict(cluster),
         "paper": PAPER,
+        "assumptions": list(ASSUMPTIONS),
+        "schedule": tide_schedule.CURRENT.name,
         "validation": validation,
         "baseline_64": baseline,
+        "tokens_nic": tokens_nic,
+        "interference": figures,
         "reference": reference,
         "sensitivity": sensitivity,
         "inputs": inputs,
@@ -378,19 +529,26 @@ def write_report(results_dir: Path, out_dir: Path, cluster: Cluster) -> dict[str
     }
     lacking = sorted({r["config"] for r in validation if "world1_trace" in r["sources"]}
                      | {r["config"] for r in validation if r["sources"]["host"].startswith("not measured")})  # fmt: skip
+    kinds = sorted({f["kind"] for f in figures})
     notes = (
-        f"A SIMULATION (torchtitan_tide/simulator/, docs/2026-12-02-simulator.md), not a measurement, "
-        f"except the validation's measured column. {within} of {len(validation)} validation rows "
-        f"within {TOLERANCE_PCT:.0f}%; no fitted factor. The tide columns include TIDE-RS's "
-        f"accumulate kernels (SM-holding ops, phase 1 and 2), the node-local RS phase on TIDE-AG's "
-        f"stream (slot reuse), and every mode's collectives slowed by compute as measured. "
-        f"The in-step columns: the same rows with the model's kernels at the level measured in a "
-        f"profiled one-rank step on one GPU (inputs.in_step_compute; not the rows' verdict). "
-        f"Rows lacking a GPU input (world-1 trace or trainer breakdown): {', '.join(lacking) or 'none'}. "
-        f"Every input's source: each validation row's `sources` and `measured_source`, the JSON's "
-        f"`inputs` (per reference config). symm_mem on NCCL {NCCL_NEW} and TIDE's bf16-wire / "
-        f"one-sided options are modeled from release notes and byte counts, not measured. Picture: "
-        f"llama70b_fsdp2 at 64 GPUs, one simulated step per mode.\n"
+        f"A SIMULATION (torchtitan_tide/simulator/, docs/2026-12-04-simulator.md), not a "
+        f"measurement, except the validation's measured column. {within} of {len(validation)} "
+        f"validation rows within {TOLERANCE_PCT:.0f}%; no fitted factor. Every mode is charged "
+        "the same way: each part of a collective once (its transport at its own profiled "
+        "device time, the cast, FSDP2's copy-in / copy-out / chunk_cat, TIDE-RS's "
+        "accumulate), slowed and slowing compute as measured for its engine and the model's "
+        f"compute classes ({', '.join(kinds)}: the interference table says which is which). "
+        "TIDE runs the schedule of torchtitan_tide/comm/schedule.py: "
+        f"'{tide_schedule.CURRENT.name}' (the code today); rows marked modeled run the other "
+        "one or the one-sided / bf16-wire options. Links (NV18, NIC, NCCL latency and "
+        "channels) are modeled from named figures (the assumptions table). The in-step "
+        "columns: the same rows with the model's kernels at the level measured in a profiled "
+        "one-rank step on one GPU (inputs.in_step_compute; not the rows' verdict). Rows "
+        "lacking a GPU input (world-1 trace or trainer breakdown): "
+        f"{', '.join(lacking) or 'none'}. "
+        "Every input's source: each validation row's `sources` and `measured_source`, the "
+        f"JSON's `inputs` (per reference config). symm_mem on NCCL {NCCL_NEW} is modeled from "
+        "release notes. Picture: llama70b_fsdp2 at 64 GPUs, one simulated step per mode.\n"
     )
     paths = {"markdown": str(stem) + ".md", "json": str(stem) + ".json"}
     common.write_result(stem, result, "Step simulation per comm mode", notes)
@@ -399,10 +557,10 @@ def write_report(results_dir: Path, out_dir: Path, cluster: Cluster) -> dict[str
     return paths
 
 
-STREAM_ROWS = ("compute", "nccl", "ce", "rs_local", "rs_net")
+STREAM_ROWS = ("compute", "ag_in", "nccl", "tide", "tide_put", "rs_local", "rs_net")
 COLORS = {"compute": "#4c72b0", "layout": "#dd8452", "optimizer": "#55a868", "host": "#bbbbbb",
-          "ag": "#8172b3", "rs": "#c44e52", "net": "#937860", "net0": "#d8c3a5",
-          "sm": "#000000"}  # fmt: skip
+          "nccl": "#c44e52", "nccl_symk": "#8c2d2d", "ce": "#8172b3", "nic": "#d8c3a5",
+          "sm_ag": "#555555", "sm_rs": "#000000"}  # fmt: skip
 
 
 def exposed_intervals(spans) -> list[tuple[float, float]]:

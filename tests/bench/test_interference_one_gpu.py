@@ -1,0 +1,126 @@
+"""``bench_interference.py --one-gpu`` (issue 35): the row arithmetic (compute at matched
+burst positions, the side op's device time), the NCCL-like copy kernel (Triton's CPU
+interpreter, and compiled for sm_90), the result files the simulator reads, and a small
+run on one GPU (``gpu``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench"
+sys.path.insert(0, str(BENCH))
+import interference_one_gpu as one
+
+
+def test_rows_compare_compute_at_the_same_burst_positions():
+    # alone: the first op of a burst runs fast (a cool, unthrottled GPU), later ones slower
+    alone = [[1.0, 2.0, 2.0, 2.0], [1.0, 2.0, 2.0, 2.0]]
+    # beside: ops 1 and 2 inside the side op's span, each 50% slower than at its position
+    beside = [[(1, 3.0), (2, 3.0)], [(1, 3.0)]]
+    pair = one.Pair(alone, beside, side_alone=[4.0, 4.0], side_beside=[5.0, 6.0],
+                    covered=[True, True])  # fmt: skip
+    row = one.summarize("large", "cast_foreach", pair)
+    assert row["slowdown_pct"] == pytest.approx(50.0)  # not (3 / median(1, 2, 2, 2)) - 1
+    assert row["samples"] == 3 and row["compute_alone_ms"] == pytest.approx(2.0)
+    assert row["side_slowdown_pct"] == pytest.approx(100 * (5.5 / 4.0 - 1))
+    assert row["covered"] is True and row["error"] is None
+    empty = one.summarize("large", "nccl_like_24", one.Pair([[1.0]], [[]], [], [], []))
+    assert empty["slowdown_pct"] is None and empty["side_slowdown_pct"] is None
+
+
+def test_burst_outlasts_the_side_op():
+    assert one.burst_length(4.0, 1.5) == 45  # ceil(16 x 4 / 1.5) + 2
+    assert one.burst_length(4.0, 0.0) == one.MAX_BURST
+    assert one.burst_length(0.01, 2.0) == 8
+    assert set(one.SIDES) == {"copy_engine", "nccl_like_24", "nccl_like_9", "cast_foreach",
+                              "accumulate"}  # fmt: skip
+    classes = {"single_wave", "large", "grouped_experts", "attention"}
+    assert set(one.COMPUTE) == set(one.SMALL_COMPUTE) == classes
+
+
+def test_nccl_like_kernel_copies_everything_in_the_interpreter():
+    pytest.importorskip("triton")
+    code = textwrap.dedent(
+        f"""
+        import sys, torch
+        sys.path.insert(0, {str(BENCH)!r})
+        import interference_one_gpu as one
+        for ctas in (24, 9):
+            src = torch.arange(100_003, dtype=torch.float32).to(torch.bfloat16)
+            dst = torch.zeros_like(src)
+            one._copy_kernel()[(ctas,)](src, dst, src.numel(), BLOCK=4096, GRID=ctas)
+            assert torch.equal(dst, src), ctas
+        print("ok")
+        """
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120, check=False)  # fmt: skip
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
+
+
+def test_nccl_like_kernel_compiles_for_hopper():
+    pytest.importorskip("triton")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = one._copy_kernel()
+    runtime = {"src": "*bf16", "dst": "*bf16", "numel": "i32"}
+    constexprs = {"BLOCK": 4096, "GRID": 24}
+    signature = {name: runtime.get(name, "constexpr") for name in kernel.arg_names}
+    source = ASTSource(fn=kernel, signature=signature, constexprs={
+        (kernel.arg_names.index(k),): v for k, v in constexprs.items()})  # fmt: skip
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 16})
+    assert compiled.asm["cubin"]
+
+
+def test_result_files_are_what_the_simulator_reads(tmp_path):
+    from torchtitan_tide.simulator import interference
+
+    rows = [{"compute": "attention", "side": "none", "compute_alone_ms": 2.0, "error": None}]
+    rows += [
+        one.summarize("attention", side, one.Pair([[2.0, 2.0]], [[(1, 2.2)]], [4.0], [4.4],
+                                                  [True]))
+        for side in one.SIDES
+    ]  # fmt: skip
+    meta = {"date": "2026-12-05T00:00:00Z", "machine": "NVIDIA H200 x 1", "hostname": "h",
+            "torch": "2.11", "nccl": None, "cuda": "13.0", "commit": "abc1234",
+            "world_size": 1}  # fmt: skip
+    results = {"kind": "interference_one_gpu", "metadata": meta, "status": "complete",
+               "config": {"reps": 1, "side_ms": 4.0}}  # fmt: skip
+    stem = str(tmp_path / "2026-12-05_nvidia-h200-x-1_abc1234_interference_one_gpu")
+    assert one.write(results, rows, stem) == 0
+    assert interference.one_gpu_file(tmp_path).name.endswith("_interference_one_gpu.json")
+    figures = interference.one_gpu_figures(tmp_path)
+    fig = figures[("ce", "attention")]
+    assert fig.kind == "measured (one H200)" and fig.compute == pytest.approx(0.10)
+    assert fig.comm == pytest.approx(0.10)
+    assert {e for e, _ in figures} == {"ce", "nccl", "nccl_symk", "sm_ag", "sm_rs"}
+    assert json.loads(Path(stem + ".json").read_text())["tables"][0]["rows"][0]["side"] == "none"
+
+
+@pytest.mark.gpu
+def test_gpu_interference_one_gpu_small(tmp_path):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+               NVSHMEM_DISABLE_NVLS="1", CUDA_VISIBLE_DEVICES=os.environ.get(
+                   "CUDA_VISIBLE_DEVICES", "0").split(",")[0])  # fmt: skip
+    cmd = [sys.executable, str(BENCH / "bench_interference.py"), "--one-gpu", "--small",
+           "--reps", "2", "--out-dir", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (js,) = tmp_path.glob("*_interference_one_gpu_small.json")
+    rows = json.loads(js.read_text())["tables"][0]["rows"]
+    measured = [r for r in rows if r["side"] != "none"]
+    assert len(measured) == 4 * len(one.SIDES) and all(r["error"] is None for r in measured)
+    assert all(r["side_alone_ms"] and r["side_beside_ms"] for r in measured), measured
