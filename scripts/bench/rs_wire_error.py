@@ -333,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
         help="cpu: gloo ranks; cuda: every rank on GPU 0 as ONE NCCL node "
         "(NCCL_MULTI_RANK_GPU_ENABLE=1, NCCL >= 2.30: TIDE on NCCL windows)",
     )  # fmt: skip
+    parser.add_argument("--layouts", default="",
+                        help="NxL layouts, comma-separated (default: 2x2,2x4,4x2 on CPU, "
+                        "2x2,2x4 on the GPU)")  # fmt: skip
     args = parser.parse_args(argv)
     import torch.multiprocessing as mp
 
@@ -340,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cuda = args.device == "cuda"
     layouts = ((2, 2), (2, 4)) if cuda else LAYOUTS
+    if args.layouts:
+        layouts = tuple(tuple(int(x) for x in item.split("x")) for item in args.layouts.split(","))
     meta = common.metadata(world_size=max(n * l for n, l in layouts),
                            **({} if cuda else {"machine": "cpu"}))  # fmt: skip
     stem = common.result_stem(args.out_dir, "rs_wire_error", meta)

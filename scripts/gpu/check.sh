@@ -158,11 +158,11 @@ fi
 
 if has preflight; then
   [[ -f "$LOGS/nccl_bundled.log" ]] || run nccl_bundled 60 python3 scripts/gpu/nccl_version.py
-  run preflight_nodes 240 python3 -m pytest -q -rA -m "gpu and preflight and not one_node" \
+  run preflight_nodes "${PREFLIGHT_S:-240}" python3 -m pytest -q -rA -m "gpu and preflight and not one_node" \
     tests/test_preflight_gpu.py -p no:cacheprovider
   note "  $(tail -1 "$LOGS/preflight_nodes.log")"
   if [[ -d .nccl ]]; then
-    run preflight_one_node 240 bash scripts/gpu/nccl_swap.sh .nccl -- bash -c \
+    run preflight_one_node "${PREFLIGHT_S:-240}" bash scripts/gpu/nccl_swap.sh .nccl -- bash -c \
       'python3 scripts/gpu/nccl_version.py && python3 -m pytest -q -rA -m "gpu and preflight and one_node" tests/test_preflight_gpu.py -p no:cacheprovider'
     note "  $(nccl_line "$LOGS/preflight_one_node.log")"
     note "  $(grep -E '(passed|failed|skipped|error)' "$LOGS/preflight_one_node.log" | tail -1)"
@@ -200,12 +200,13 @@ if has nxl; then
         | sed 's/^\[rank [0-9]*\] //' | sort -u | head -20)
     fi
     if [[ " $parts " == *" bench "* ]]; then
-      run nxl_bench 420 bash scripts/gpu/nccl_swap.sh .nccl -- bash -c \
+      run nxl_bench "${NXL_BENCH_S:-420}" bash scripts/gpu/nccl_swap.sh .nccl -- bash -c \
         'for layout in ${NXL_LAYOUTS:-2x2 2x4}; do
            python3 scripts/bench/bench_cross_node.py --layout "$layout" --out-dir bench/results \
              ${NXL_BENCH_ARGS:---wires float32 --warmup 1 --steps 2} || exit 1
          done
-         python3 scripts/bench/rs_wire_error.py --device cuda --trials 1 --out-dir bench/results'
+         python3 scripts/bench/rs_wire_error.py --device cuda --trials 1 --out-dir bench/results \
+           ${NXL_WIRE_ARGS:-}'
       while read -r line; do note "  $line"; done < <(grep -o 'results: .*' "$LOGS/nxl_bench.log")
     fi
     bundled_nccl_back nccl_restored_nxl
@@ -296,7 +297,7 @@ fi
 
 if has interference_one_gpu; then
   first_gpu="${CUDA_VISIBLE_DEVICES:-0}"
-  run bench_interference_one_gpu 300 env CUDA_VISIBLE_DEVICES="${first_gpu%%,*}" \
+  run bench_interference_one_gpu "${INTERF1_S:-300}" env CUDA_VISIBLE_DEVICES="${first_gpu%%,*}" \
     python3 scripts/bench/bench_interference.py --one-gpu --out-dir bench/results \
     --reps "${INTERF1_REPS:-5}"
   note "  $(grep -o 'results: .*' "$LOGS/bench_interference_one_gpu.log" | tail -1)"

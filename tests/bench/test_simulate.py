@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from torchtitan_tide.comm import schedule
 from torchtitan_tide.comm.memory_plan import CommDtypes, GroupShape
 from torchtitan_tide.simulator import cli, cluster, inputs, network, report
 from torchtitan_tide.simulator import step as sim
@@ -241,15 +242,22 @@ def test_symm_mem_generations_and_one_sided_transport():
     assert names_new["layers.0.fwd.ag"].kind == "ce"  # zero-SM hierarchical all-gather
     # TIDE across nodes: NCCL p2p phases slow compute like NCCL kernels; one-sided does not
     p2p = {s.op.name: s for s in sim.simulate_step(groups, ins, "tide", lay, old, DTYPES)[1]}
+    serial = sim.TideModel(cross_node="one_sided", schedule=schedule.SERIAL)
     one = {s.op.name: s for s in sim.simulate_step(
-        groups, ins, "tide", lay, old, DTYPES, sim.TideModel(cross_node="one_sided"))[1]}  # fmt: skip
+        groups, ins, "tide", lay, old, DTYPES, serial)[1]}  # fmt: skip
     assert p2p["layers.0.rs_net"].op.kind == "nccl" and one["layers.0.rs_net"].op.kind == "nic"
     assert p2p["layers.0.fwd"].op.slowdown["nccl"] == 0.5
-    # TIDE-AG goes one-sided only with one rank per node in the serial schedule
+    # TIDE-AG goes one-sided only with one rank per node in the serial schedule, for every
+    # layout in the pipelined one (the code's since 2026-12-04: NCCL windows)
     assert one["layers.0.fwd.ag_net"].op.kind == "nccl"
+    assert schedule.CURRENT is schedule.PIPELINED
+    pipelined = {s.op.name: s.op for s in sim.simulate_step(
+        groups, ins, "tide", lay, old, DTYPES, sim.TideModel(cross_node="one_sided"))[1]}  # fmt: skip
+    assert {op.kind for name, op in pipelined.items() if name.startswith("layers.0.fwd.ag_put")
+            } == {"nic"}, sorted(pipelined)  # fmt: skip
     lay1 = sim.Layout(2, 1)
     one1 = {s.op.name: s.op for s in sim.simulate_step(
-        groups, ins, "tide", lay1, old, DTYPES, sim.TideModel(cross_node="one_sided"))[1]}  # fmt: skip
+        groups, ins, "tide", lay1, old, DTYPES, serial)[1]}  # fmt: skip
     assert one1["layers.0.fwd.ag_net"].kind == "nic" and one1["layers.0.rs_net"].kind == "nic"
     # the config's [tide] cross_node_transport chooses the default
     from types import SimpleNamespace

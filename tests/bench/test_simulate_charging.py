@@ -97,10 +97,13 @@ def test_3_copy_engine_is_slowed_by_its_profiled_device_time():
 
 def test_4_tide_schedule_is_read_from_the_one_description(monkeypatch):
     """The simulator models the schedule ``comm/schedule.py`` describes (``CURRENT``, read
-    at each call): serial today; switched to pipelined, TIDE-AG's fan-out and placement
-    overlap the next wave's puts and the step is shorter."""
+    at each call): serial (the code before 2026-12-04); pipelined (the code since: NCCL
+    windows), TIDE-AG's fan-out and placement overlap the next wave's puts and the step
+    is shorter."""
     from torchtitan_tide.comm import schedule
 
+    assert schedule.CURRENT is schedule.PIPELINED  # what the code runs
+    monkeypatch.setattr(schedule, "CURRENT", schedule.SERIAL)
     cm, ins = _cm("qwen3_30b_a3b_tide"), _inputs("qwen3_30b_a3b_tide")
     clu = cluster.Cluster()
 

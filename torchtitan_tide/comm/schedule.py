@@ -19,16 +19,19 @@ Engines (what does the work; the simulator charges each as measured for it):
 
 Two schedules:
 
-- :data:`SERIAL` (the code today): TIDE-AG packs (casts) the own shard, runs every
-  cross-node step, then the node-local phase, then (one-sided, one rank per node)
+- :data:`SERIAL` (the code before 2026-12-04): TIDE-AG packs (casts) the own shard, runs
+  every cross-node step, then the node-local phase, then (one-sided, one rank per node)
   copies every entry from the window into the parameters' storage: one after the other
   on TIDE's stream.
-- :data:`PIPELINED` (issue 34): TIDE-AG's cross-node recursive doubling by one-sided
-  puts between rail peers in waves of at most ``[tide] ag_pacing`` entries (0: one
-  wave per step); after each wave's arrival its entries are fanned out to the L-1 local
-  peers by copy-engine puts and placed into the parameters' storage (one batched copy
-  per wave) while the next wave's puts fly. TIDE-RS phase 1 adds a batched copy-engine
-  pack of the gradient slices into the window before its puts.
+- :data:`PIPELINED` (the code since 2026-12-04, ``transport/windows.py`` running
+  ``window_rounds.ag_round_ops``; docs/2026-12-04-windows.md): TIDE-AG's cross-node
+  recursive doubling by one-sided puts between rail peers in waves of at most ``[tide]
+  ag_pacing`` entries (0: one wave per step); after each wave's arrival its entries are
+  fanned out to the L-1 local peers by copy-engine puts (the puts' stream) and placed
+  into the parameters' storage (one batched copy per wave, the placement stream) while
+  the next wave's puts fly. TIDE-RS phase 1 adds a batched copy-engine pack of the
+  gradient slices into the window before its puts. Where the windows cannot run
+  (``auto``'s fallback) the transports of the serial schedule remain.
 
 Both run TIDE-RS phase 2 (cross-node partials) on its own stream, pipelined with phase 1
 across FSDP groups (at most ``[tide] rs_inflight`` partials in flight), and phase 1 on
@@ -59,6 +62,7 @@ ENGINES = (SM, COPY_ENGINE, TRANSPORT)
 # TIDE's streams (``comm/streams.py``): the all-gather stream (also TIDE-RS phase 1 under
 # slot reuse), the one-sided puts' stream, TIDE-RS phase 2's stream.
 AG_STREAM, PUT_STREAM, RS_CROSS_STREAM = "tide", "tide_one_sided", "tide_rs_cross"
+PLACE_STREAM = "tide_place"  # the windows' placement copies (``transport/windows.py``)
 
 
 @dataclass(frozen=True)
@@ -131,12 +135,13 @@ PIPELINED = TideSchedule(
     ag=(
         _CAST,
         Phase("cross_node", TRANSPORT, PUT_STREAM, "waves of <= ag_pacing entries, puts"),
-        Phase("node_local", COPY_ENGINE, AG_STREAM, "each arrived wave to the L-1 peers"),
-        Phase("place", COPY_ENGINE, AG_STREAM, "each wave's entries into the parameters"),
+        Phase("node_local", COPY_ENGINE, PUT_STREAM, "each arrived wave to the L-1 peers"),
+        Phase("place", COPY_ENGINE, PLACE_STREAM, "each wave's entries into the parameters"),
     ),
     rs_local=(
         Phase("pack", COPY_ENGINE, AG_STREAM, "gradient slices into the window, batched"),
-        *_RS_LOCAL,
+        Phase("push", COPY_ENGINE, PUT_STREAM, "one put per local peer's row"),
+        _RS_LOCAL[1],
     ),
     rs_cross=_RS_CROSS,
     ag_waves_pipelined=True,
@@ -147,7 +152,7 @@ PIPELINED = TideSchedule(
 
 SCHEDULES = {s.name: s for s in (SERIAL, PIPELINED)}
 
-CURRENT = SERIAL
+CURRENT = PIPELINED
 """The schedule the code runs. Issue 34 (TIDE-AG one-sided and pipelined) sets this to
 :data:`PIPELINED` when it lands; the simulator then models it with no other change."""
 
