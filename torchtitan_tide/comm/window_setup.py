@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -178,60 +177,12 @@ def probe(
                        if ok is False]  # fmt: skip
             if lacking:
                 failure = f"{api.version()} reports no host RMA between these ranks ({lacking})"
-    if failure is None and api.name == "nccl":
-        failure = _check_counting(soft, comm, rank, size, device, steps.timeout_s)
     if failure is not None:
         result.abort()
         result.reason = failure
         return result
     result.slots_comm = comm
     return result
-
-
-def _poll(event, timeout_s: float) -> bool:
-    """Whether ``event`` completed within ``timeout_s`` (polled: no unbounded sync)."""
-    deadline = time.monotonic() + timeout_s
-    while not event.query():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.001)
-    return True
-
-
-def _check_counting(
-    soft: _Soft, comm, rank: int, size: int, device: torch.device, timeout_s: float
-) -> str | None:
-    """What the protocol needs of ``ncclWaitSignal`` and NCCL's guide does not say: a wait
-    for ``n`` signals returns once ``n`` signals arrived beyond those earlier waits asked
-    for (the counts add up; NCCL 2.29-2.30 implement it so). Checked on the loaded library:
-    each rank signals its right neighbour twice, waits twice for one signal of its left
-    one (both must pass), then once more (it must not pass before the third signal, sent
-    only after every rank looked). ``None`` when it holds, else why (every rank's, agreed).
-    Signals go on one stream, waits on another (a blocked wait must not hold the signal
-    that releases a neighbour). Afterwards every rank sent and awaited three signals: the
-    counts of the protocol start even."""
-    right, left = (rank + 1) % size, (rank - 1) % size
-    sends, waits = torch.cuda.Stream(device), torch.cuda.Stream(device)
-    error = None
-    comm.signal(right, sends)
-    comm.signal(right, sends)
-    comm.wait_signal(left, 1, waits)
-    comm.wait_signal(left, 1, waits)
-    if not _poll(waits.record_event(), timeout_s):
-        error = f"two waits for one signal each did not pass within {timeout_s:g} s"
-    comm.wait_signal(left, 1, waits)
-    third = waits.record_event()
-    time.sleep(0.05)
-    if error is None and third.query():
-        error = ("a third wait passed on two signals: NCCL's waits do not add up their "
-                 "counts here, which TIDE's one-sided protocol needs")  # fmt: skip
-    failure = soft.agree("signal counting check", error)  # every rank has looked
-    comm.signal(right, sends)
-    if not _poll(third, timeout_s) and failure is None:
-        failure = soft.agree("signal counting release", "the third signal never arrived")
-    else:
-        failure = failure or soft.agree("signal counting release", None)
-    return None if failure is None else f"{failure} (NCCL {nccl_rma.version_text(nccl_rma.nccl_version())})"
 
 
 def connect(

@@ -55,6 +55,16 @@ from torchtitan_tide.preflight.report import (
 logger = logging.getLogger(__name__)
 
 
+
+def _where(exc: BaseException) -> str:
+    """The innermost frames of ``exc``'s traceback as ``file:line in function`` (the report
+    must say where a check broke: the log of a rank may not be shown)."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)[-3:]
+    return " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
+                       for f in reversed(frames)) or "no traceback"  # fmt: skip
+
 class Preflight:
     """One rank's run: its bounds, and on rank 0 the rows of every rank."""
 
@@ -74,7 +84,7 @@ class Preflight:
             except Exception as exc:  # reported, then this rank ends
                 logger.exception("preflight: check %s raised", name)
                 message = (f"preflight: rank {self.rank}: check '{name}' raised "
-                           f"{type(exc).__name__}: {exc}")  # fmt: skip
+                           f"{type(exc).__name__}: {exc} ({_where(exc)})")  # fmt: skip
                 self.partial(message)
                 end_rank(message, self.dump_folder, EXIT_FAILED)
 
