@@ -91,6 +91,13 @@ UNEXPLAINED = {
         "beside the step's bandwidth-bound kernels (measured beside GEMMs only), and the "
         "2-GPU step's SM clock (Llama's trace runs power-capped at ~1470-1560 MHz)"
     ),
+    ("h200x2_qwen3_30b_a3b_4layers", "tide"): (
+        "not explained by a measured input (with the one-GPU interference, 2026-12-04): the "
+        "grouped expert GEMM beside the copy engine is measured beside a device-to-device "
+        "copy of one GPU (HBM read and write at the local rate), charged here for TIDE's "
+        "NVLink pulls, which move a fraction of that HBM traffic per GPU; with the 2x H200 "
+        "inputs alone this row was within 5% (docs/2026-12-04-simulator.md)"
+    ),
     ("h200x2_qwen3_30b_a3b_4layers", "fsdp2"): (
         "not explained by a measured input: the largest uncertain term is compute slowed "
         "beside NCCL's collectives (bench_interference's synthetic GEMM of the shape class; "
