@@ -6,7 +6,8 @@ n1 and n2 (two slurmd on this machine, everything on 127.0.0.1), the debug model
    ends, SLURM requeues the job (``--requeue``) once n2 is DOWN, n2 comes back, and the job
    resumes from the last good checkpoint with the losses of an uninterrupted run;
 2. the job trains to the end with the losses of a single-node 4-rank run of the same config
-   (``tide``: 2 nodes x 2 ranks as TIDE sees them, cross-node phases over gloo; ``fsdp2``);
+   (``tide``: 2 nodes x 2 ranks as TIDE sees them, cross-node phases over gloo, within 1e-6
+   relative; ``fsdp2`` bitwise: ``assert_same_losses``);
 3. ``scancel`` leaves no process of the job on either node and no partial checkpoint that a
    resume would take for a good one;
 4. ``train.sbatch --preflight`` runs the preflight on both nodes (TIDE: 2 nodes x 2, the
@@ -272,7 +273,22 @@ def test_node_loss_requeues_and_resumes(cluster, reference, tmp_path):
     lines = (job.folder / "metrics.jsonl").read_text().splitlines()
     resumes = [r for r in map(json.loads, lines) if r.get("event") == "resume"]
     assert [r["first_step"] for r in resumes] == [good + 1], resumes
-    assert losses(read_metrics(job.folder)) == expected
+    assert_same_losses(losses(read_metrics(job.folder)), expected, "tide")
+
+
+def assert_same_losses(got: dict[int, float], single_node: dict[int, float], comm: str) -> None:
+    """The 2 x 2 job's losses against the uninterrupted 1 x 4 run's: bitwise for fsdp2
+    (gloo's reduce-scatter adds the 4 ranks in one order whatever the nodes); for tide within
+    1e-6 relative: TIDE-RS adds a node's rows, then the other node's partial, so 1 x 4 and
+    2 x 2 sum a rank's 4 fp32 gradients in different orders (measured on the CI machine,
+    2026-12-04, with this and with a750dfd's code: step 8 6.899961948 vs 6.899961471, 7e-8
+    relative; earlier CI machines happened to round alike)."""
+    assert sorted(got) == sorted(single_node), (got, single_node)
+    if comm == "fsdp2":
+        assert got == single_node, (got, single_node)
+        return
+    for step, loss in single_node.items():
+        assert got[step] == pytest.approx(loss, rel=1e-6, abs=0.0), (step, got, single_node)
 
 
 @pytest.mark.parametrize("comm", ["tide", "fsdp2"])
@@ -287,7 +303,7 @@ def test_job_on_two_nodes_trains_with_single_node_losses(cluster, reference, tmp
     step_s = [r["time_metrics/end_to_end(s)"] for r in records if r["step"] > 1]
     print(f"{comm}: first step {first_step_s:.1f} s after sbatch, "
           f"{len(step_s) / sum(step_s):.2f} steps/s after it")  # fmt: skip
-    assert losses(records) == reference(comm), (losses(records), reference(comm))
+    assert_same_losses(losses(records), reference(comm), comm)
     assert ("[train.sbatch] 2 node(s) x 2 ranks, rendezvous 127.0.0.1:"
             in output and "(NodeAddr of n1, whose name does not resolve)" in output), output[:2000]  # fmt: skip
     for node_rank in range(2):

@@ -26,6 +26,7 @@ read of stale bytes shows.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -113,7 +114,7 @@ class WindowTransport:
     @property
     def sent_bytes(self) -> int:
         """Bytes this rank put to ranks of other nodes (TIDE-AG's cross-node tier; the
-        benchmarks' wire bytes, as ``P2PTransport.cross_node_bytes``)."""
+        benchmarks' wire bytes, as ``P2PTransport.sent_bytes``)."""
         return self.slots.counters.cross_node_put_bytes
 
     @property
@@ -197,8 +198,6 @@ class _Run:
 
     def _on(self, stream: str):
         if not self.cuda:
-            import contextlib
-
             return contextlib.nullcontext()
         return torch.cuda.stream(self.streams[stream])
 
