@@ -511,8 +511,7 @@ def _connect_windows(
             slots_window, ring, why = window_setup.connect(
                 steps, scope, c.group, c.device, found, slots_bytes, ring_bytes
             )
-        if why is not None:
-            found.abort()
+        if why is not None:  # probe and connect aborted what they made
             if users or ring_wanted:
                 _one_sided_refusal(members, options, why)
             for m in users:  # auto: what it takes without windows

@@ -200,10 +200,24 @@ def connect(
     rank, size = group.rank(), group.size()
     comm = found.slots_comm
 
-    def allocate(owner, nbytes: int):
-        if rank in FAIL_ALLOCATION_ON:
-            raise MemoryError(f"window allocation of {nbytes} B failed (test hook)")
-        return owner.allocate(nbytes)
+    def window(owner, nbytes: int, what: str):
+        """``(window, None)`` or ``(None, why)``: ``nbytes`` allocated on every rank as a
+        local step whose outcome all learn, then registered (collective) on ``owner``."""
+
+        def allocate():
+            if rank in FAIL_ALLOCATION_ON:
+                raise MemoryError(f"window allocation of {nbytes} B failed (test hook)")
+            return owner.allocate(nbytes)
+
+        memory, failure = soft.attempt(f"one-sided {what} allocation ({nbytes} B)", allocate,
+                                       collective=False)  # fmt: skip
+        if failure is not None:
+            if memory is not None:
+                owner.free(memory)
+            return None, f"allocation: {failure}"
+        registered, failure = soft.attempt(f"one-sided {what} registration",
+                                           lambda: owner.register(memory))  # fmt: skip
+        return (None, f"registration: {failure}") if failure is not None else (registered, None)
 
     def fail(why: str):
         found.abort()
@@ -211,16 +225,9 @@ def connect(
 
     slots_window = None
     if slots_bytes:
-        memory, failure = soft.attempt(f"one-sided window allocation ({slots_bytes} B)",
-                                       lambda: allocate(comm, slots_bytes), collective=False)  # fmt: skip
+        slots_window, failure = window(comm, slots_bytes, "window")
         if failure is not None:
-            if memory is not None:
-                comm.free(memory)
-            return fail(f"window allocation: {failure}")
-        slots_window, failure = soft.attempt("one-sided window registration",
-                                             lambda: comm.register(memory))  # fmt: skip
-        if failure is not None:
-            return fail(f"window registration: {failure}")
+            return fail(f"window {failure}")
     ring = None
     if ring_bytes:
         comms = []
@@ -234,17 +241,10 @@ def connect(
                 comms.append(made)
             if failure is not None:
                 return fail(f"TIDE-RS phase-2 {name} communicator: {failure}")
-        memory, failure = soft.attempt(f"one-sided ring allocation ({ring_bytes} B)",
-                                       lambda: allocate(comms[0], ring_bytes), collective=False)  # fmt: skip
+        ring_window, failure = window(comms[0], ring_bytes, "ring")
         if failure is not None:
-            if memory is not None:
-                comms[0].free(memory)
-            return fail(f"TIDE-RS phase-2 window allocation: {failure}")
-        window, failure = soft.attempt("one-sided ring registration",
-                                       lambda: comms[0].register(memory))  # fmt: skip
-        if failure is not None:
-            return fail(f"TIDE-RS phase-2 window registration: {failure}")
-        ring = (comms[0], comms[1], window)
+            return fail(f"TIDE-RS phase-2 window {failure}")
+        ring = (comms[0], comms[1], ring_window)
     if slots_window is None and comm is not None:  # probed, not needed: let it go
         found.made.remove(comm)
         comm.abort()

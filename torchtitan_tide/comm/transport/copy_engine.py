@@ -70,7 +70,7 @@ from ..plan import (
 from ..window_rounds import entry_runs
 from . import global_rank
 
-__all__ = ["CopyEngineTransport", "SymmSlots", "batch_copy"]
+__all__ = ["CopyEngineTransport", "SymmSlots", "batch_copy", "cast_into_entry"]
 
 logger = logging.getLogger(__name__)
 
@@ -373,13 +373,26 @@ def pack_own_shards(
         raise AssertionError(
             f"TIDE staging too small: {num_nodes} x {packing.entry_bytes} > {half_bytes}"
         )
-    start = base + plan.layout.node_of(plan.rank) * packing.entry_bytes
+    cast_into_entry(buffer, base + plan.layout.node_of(plan.rank) * packing.entry_bytes,
+                    packing, inputs, outputs)  # fmt: skip
+    return packing
+
+
+def cast_into_entry(
+    buffer: torch.Tensor,
+    start: int,
+    packing: PackedEntry,
+    inputs: list[torch.Tensor],
+    outputs: list[torch.Tensor],
+) -> None:
+    """Cast ``inputs`` (this rank's shards) into the packed entry at byte ``start`` of
+    ``buffer`` (``uint8``), parameter ``i`` in ``outputs[i]``'s dtype: one
+    ``_foreach_copy_`` on the current stream (the cast FSDP2's copy-in does)."""
     packed = [
         buffer.narrow(0, start + off, n).view(o.dtype)
         for off, n, o in zip(packing.offsets, packing.nbytes, outputs)
     ]
     torch._foreach_copy_(packed, inputs)
-    return packing
 
 
 class CopyEngineTransport:

@@ -54,7 +54,7 @@ from ..window_rounds import (
     rs_round_ops,
 )
 from . import global_rank
-from .copy_engine import _try_batch
+from .copy_engine import _try_batch, cast_into_entry
 
 __all__ = ["WindowCounters", "WindowSlots", "WindowTransport"]
 
@@ -246,12 +246,7 @@ class _Run:
 
     def _pack_own(self, op: PackOwn) -> None:
         _, packing, inputs, outputs = self.ag
-        views = [
-            self.buf.narrow(0, op.dst + off, n).view(o.dtype)
-            for off, n, o in zip(packing.offsets, packing.nbytes, outputs)
-            if n
-        ]
-        torch._foreach_copy_(views, [i for i, n in zip(inputs, packing.nbytes) if n])
+        cast_into_entry(self.buf, op.dst, packing, inputs, outputs)
 
     def _place(self, op: Place) -> None:
         plan, packing, _, outputs = self.ag
