@@ -34,6 +34,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -186,17 +187,25 @@ def _timeline_png(path: Path, lanes: list[dict], title: str) -> bool:
     return True
 
 
+def _progress(rank: int, variant: dict, what: str) -> None:
+    """Rank 0's progress, flushed: where a variant that ran past its deadline stood."""
+    if rank == 0:
+        print(f"[{time.strftime('%H:%M:%S')}] {variant['name']}: {what}", flush=True)
+
+
 def _worker(rank: int, world: int, args: argparse.Namespace, variant: dict, result: str) -> None:
     from torchtitan_tide import comm
 
     device = torch.device("cuda", 0)
     nodes, lws = args.nodes, args.local
     model = _build(args, device)
+    _progress(rank, variant, "model built and sharded")
     if variant["mode"] == "tide":
         options = {"local_world_size": lws, "cross_node_transport": variant["transport"]}
         if variant["wire"] != "float32":
             options["rs_wire_dtype"] = variant["wire"]
         comm.apply(model, "tide", **options)
+        _progress(rank, variant, "TIDE installed")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     gen = torch.Generator().manual_seed(1 + rank)
 
@@ -208,9 +217,10 @@ def _worker(rank: int, world: int, args: argparse.Namespace, variant: dict, resu
         opt.step()
         opt.zero_grad()
 
-    for _ in range(args.warmup):
+    for index in range(args.warmup):
         step()
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        _progress(rank, variant, f"warm-up step {index + 1} done")
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
     per_step = []
     for _ in range(args.steps):
@@ -218,6 +228,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, variant: dict, resu
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
+        _progress(rank, variant, "profiled step done")
         with tempfile.TemporaryDirectory() as tmp:
             trace = os.path.join(tmp, "trace.json")
             prof.export_chrome_trace(trace)
@@ -242,6 +253,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, variant: dict, resu
     schedule = _last_ag_ops(model) if variant["mode"] == "tide" else []
     if variant["mode"] == "tide":
         comm.remove(model)
+        _progress(rank, variant, "TIDE removed")
     if rank == 0:
         row = {"variant": variant["name"], **variant}
         for key in ("nccl_kernels", "nccl_kernel_ms", "nccl_sm_ms", "kernels", "copies",
@@ -294,6 +306,12 @@ def main() -> int:
     parser.add_argument("--wires", default="float32,bfloat16",
                         help="TIDE-RS wire dtypes of the tide variants, comma-separated")  # fmt: skip
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--variant-timeout", type=float, default=300.0,
+                        help="seconds per variant; past it its processes are killed, the "
+                             "error recorded and the next variant runs")  # fmt: skip
+    parser.add_argument(
+        "--variants", default="", help="only these variants (comma-separated names); default all"
+    )
     args = parser.parse_args()
     args.nodes, args.local = args.layout
     args.ranks = args.nodes * args.local
@@ -304,18 +322,29 @@ def main() -> int:
     wires = [w for w in args.wires.split(",") if w]
     if not hasattr(TideOptions(), "rs_wire_dtype"):
         wires = ["float32"]
+    variants = _variants(args.emulation, wires)
+    if args.variants:
+        wanted = [w for w in args.variants.split(",") if w]
+        unknown = sorted(set(wanted) - {v["name"] for v in variants})
+        if unknown:
+            parser.error(f"--variants: unknown {unknown}; known: {[v['name'] for v in variants]}")
+        variants = [v for v in variants if v["name"] in wanted]
+    # one-sided first: the variant the table is for runs while the call has the most time
+    order = sorted(variants, key=lambda v: v["transport"] != "nccl_one_sided")
     rows, errors = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        for variant in _variants(args.emulation, wires):
+        for variant in order:
             result = os.path.join(tmp, variant["name"] + ".json")
             try:
                 harness.spawn(_worker, args.ranks, "cuda:0", (args, variant, result),
-                              EMULATION_ENV[args.emulation])  # fmt: skip
+                              EMULATION_ENV[args.emulation],
+                              timeout_s=args.variant_timeout)  # fmt: skip
                 rows.append(json.loads(Path(result).read_text()))
             except Exception as e:  # noqa: BLE001 - recorded; the next variant runs
                 errors[variant["name"]] = common.short_error(f"{type(e).__name__}: {e}", 300)
                 rows.append({"variant": variant["name"], "error": errors[variant["name"]]})
             print(json.dumps(rows[-1]), flush=True)
+    rows.sort(key=lambda row: [v["name"] for v in variants].index(row["variant"]))
     meta = common.metadata(args.ranks)
     shape = f"{args.nodes}x{args.local}"
     name = f"cross_node_{args.emulation}" + ("" if args.local == 1 else f"_{shape}")
@@ -338,11 +367,18 @@ def main() -> int:
     sided = next((r for r in rows if r.get("schedule")), None)
     notes = ""
     if sided is not None:
-        notes = ("Ops of one all-gather of a layer as rank 0's window transport ran them "
-                 f"({sided['variant']}):\n\n```\n" + "\n".join(sided["schedule"]) + "\n```\n")
-        if _timeline_png(Path(f"{stem}_timeline.png"), sided["lanes"],
-                         f"rank 0, one profiled step, {sided['variant']} ({shape})"):
-            notes += f"\nTimeline of that step's copies per stream: `{Path(stem).name}_timeline.png`.\n"
+        notes = (
+            "Ops of one all-gather of a layer as rank 0's window transport ran them "
+            f"({sided['variant']}):\n\n```\n" + "\n".join(sided["schedule"]) + "\n```\n"
+        )
+        if _timeline_png(
+            Path(f"{stem}_timeline.png"),
+            sided["lanes"],
+            f"rank 0, one profiled step, {sided['variant']} ({shape})",
+        ):
+            notes += (
+                f"\nTimeline of that step's copies per stream: `{Path(stem).name}_timeline.png`.\n"
+            )
     charts = [
         common.BarChart(title="NCCL SM-ms per step", labels=[r["variant"] for r in rows],
                         values=[r.get("nccl_sm_ms") or 0.0 for r in rows], ylabel="SM-ms"),

@@ -178,24 +178,37 @@ def spawn(
     args: tuple = (),
     env: tuple[tuple[str, str], ...] = (),
     start_method: str = "spawn",
+    timeout_s: float | None = None,
 ) -> None:
     """Run ``worker(rank, world, *args)`` in ``world`` spawned processes, each in a
     process group of all of them (``"cuda"``: NCCL on GPU ``rank``; ``"cuda:0"``: NCCL,
     every rank on GPU 0, for emulated nodes; ``"cpu"``: gloo) created after ``env`` is
     set (``{rank}`` in a value is replaced by the rank). Raises when a process fails.
     ``start_method="fork"`` (CPU only: CUDA cannot be forked) saves each process
-    the imports of a fresh interpreter."""
+    the imports of a fresh interpreter. ``timeout_s``: past it every process is killed
+    and ``TimeoutError`` raised (a hung variant ends, the next one runs)."""
     import torch.multiprocessing as mp
 
     if start_method == "fork" and device_type != "cpu":
         raise ValueError("spawn: start_method='fork' is for CPU ranks only")
-    mp.start_processes(
+    context = mp.start_processes(
         _entry,
         args=(world, free_port(), device_type, tuple(env), worker, tuple(args)),
         nprocs=world,
-        join=True,
+        join=False,
         start_method=start_method,
     )
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not context.join(timeout=5.0):
+        if deadline is not None and time.monotonic() > deadline:
+            alive = [rank for rank, p in enumerate(context.processes) if p.is_alive()]
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            for process in context.processes:
+                process.join(10.0)
+            raise TimeoutError(f"spawn: {worker.__name__} not done after {timeout_s:.0f} s; "
+                               f"rank(s) {alive} still running were killed")  # fmt: skip
 
 
 def save_quietly(write: Callable[[dict, bool], object], results: dict) -> None:

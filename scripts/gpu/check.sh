@@ -30,7 +30,8 @@
 #                 NXL_PARTS="tests" runs `-m "gpu and nxl"` (2x2, 3x2, 2x4, 4x2 parity with
 #                 Llama and Qwen3 MoE, HSDP, EP; 20-step losses; a stopped rank) ~8 min;
 #                 NXL_PARTS="bench" bench_cross_node --layout per NXL_LAYOUTS (2x2 2x4) and
-#                 rs_wire_error --device cuda                                      ~4 min
+#                 rs_wire_error --device cuda (each bench variant killed after NXL_VARIANT_S,
+#                 default 120 s; the next one runs)                                ~4 min
 #   floor         bench_floor per config in FLOOR_CONFIGS, on GPU 0 only (1 GPU is enough):
 #                 the compute floor the step rows' gap_to_floor_pct refers to
 #                 ~40 s llama, ~30 s qwen3, ~2 min wan22 (7.5 s per fwd+bwd)
@@ -201,12 +202,15 @@ if has nxl; then
     fi
     if [[ " $parts " == *" bench "* ]]; then
       run nxl_bench "${NXL_BENCH_S:-420}" bash scripts/gpu/nccl_swap.sh .nccl -- bash -c \
-        'for layout in ${NXL_LAYOUTS:-2x2 2x4}; do
+        'rc=0
+         for layout in ${NXL_LAYOUTS:-2x2 2x4}; do
            python3 scripts/bench/bench_cross_node.py --layout "$layout" --out-dir bench/results \
-             ${NXL_BENCH_ARGS:---wires float32 --warmup 1 --steps 2} || exit 1
+             --variant-timeout "${NXL_VARIANT_S:-120}" \
+             ${NXL_BENCH_ARGS:---wires float32 --warmup 1 --steps 2} || rc=1
          done
          python3 scripts/bench/rs_wire_error.py --device cuda --trials 1 --out-dir bench/results \
-           ${NXL_WIRE_ARGS:-}'
+           ${NXL_WIRE_ARGS:-} || rc=1
+         exit $rc'
       while read -r line; do note "  $line"; done < <(grep -o 'results: .*' "$LOGS/nxl_bench.log")
     fi
     bundled_nccl_back nccl_restored_nxl
