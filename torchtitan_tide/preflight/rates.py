@@ -54,7 +54,11 @@ MIB = 2**20
 
 
 class RateBlock(nn.Module):
-    """Parameters of the given shapes; the forward sums them (gradients: ones)."""
+    """Parameters of the given shapes; the forward sums them (gradients: ones).
+
+    ``forward`` takes a one-element tensor on the block's device: FSDP2's root pre-forward
+    moves the inputs to the device and, on CUDA, indexes the first (torch 2.11
+    ``_root_pre_forward``): a forward without arguments raises ``IndexError`` there."""
 
     def __init__(self, shapes: list[tuple[int, ...]], device: torch.device) -> None:
         super().__init__()
@@ -62,8 +66,8 @@ class RateBlock(nn.Module):
         self.weights = nn.ParameterList(
             nn.Parameter(torch.empty(s, device=device).normal_(0.0, 0.02)) for s in shapes)
 
-    def forward(self) -> torch.Tensor:
-        return sum(w.float().sum() for w in self.weights)
+    def forward(self, scale: torch.Tensor) -> torch.Tensor:
+        return scale * sum(w.float().sum() for w in self.weights)
 
 
 def config_shapes(config_path: str, group_size: int) -> tuple[str, list[tuple[int, ...]]]:
@@ -122,7 +126,8 @@ def _block(shapes, mesh, job_config, device: torch.device) -> RateBlock:
 def _module_times(block: RateBlock, group, device) -> tuple[float, float]:
     """(unshard ms, backward ms) of ``block``, after one forward and backward (FSDP's lazy
     initialization, through the public API)."""
-    block().backward()
+    one = torch.ones((), device=device)
+    block(one).backward()
     block.zero_grad(set_to_none=True)
     ag = _time(block.unshard, group, device, prepare=block.reshard)
     state: dict[str, torch.Tensor] = {}
@@ -130,7 +135,7 @@ def _module_times(block: RateBlock, group, device) -> tuple[float, float]:
     def forward() -> None:
         block.zero_grad(set_to_none=True)
         block.unshard()
-        state["loss"] = block()
+        state["loss"] = block(one)
 
     rs = _time(lambda: state["loss"].backward(), group, device, prepare=forward)
     block.zero_grad(set_to_none=True)
