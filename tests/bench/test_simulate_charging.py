@@ -182,12 +182,13 @@ def test_6_stock_all_gather_takes_sm_time_from_large_gemms():
     assert "below 0, counted 0" in rows[("sm_ag", "large")]["source"]  # said, not silent
 
 
-def _fake_one_gpu(folder, grouped_nccl_pct: float) -> None:
-    """A synthetic one-GPU interference result beside the committed 2-GPU files."""
+def _fake_one_gpu(folder, grouped_nccl_pct: float, ce_side_pct: float = 5.0) -> None:
+    """A synthetic one-GPU interference result beside the committed 2-GPU files; every
+    side op's own stretch ``ce_side_pct``."""
     for name in (inputs.INTERFERENCE_FILE, inputs.COLLECTIVES_FILE):
         (folder / name).write_text((RESULTS / name).read_text())
     rows = [
-        {"compute": cls, "side": side, "slowdown_pct": pct, "side_slowdown_pct": 5.0,
+        {"compute": cls, "side": side, "slowdown_pct": pct, "side_slowdown_pct": ce_side_pct,
          "error": None}
         for cls in ("single_wave", "large", "grouped_experts", "attention")
         for side, pct in (("copy_engine", 3.0), ("nccl_like_24", grouped_nccl_pct),
@@ -217,11 +218,38 @@ def test_7_grouped_expert_gemm_has_its_own_interference(tmp_path):
     assert fig.kind == "measured (one H200)" and fig.compute == pytest.approx(0.60)
     assert "fake_interference_one_gpu" in fig.source
     assert table[("nccl", "large")].kind == "measured (2x H200)"  # the real kernel first
-    assert table[("ce", "large")].kind == "measured (one H200)"
+    assert table[("ce", "large")].kind == "measured (2x H200)"  # the real NVLink copy first
+    assert table[("ce", "grouped_experts")].kind == "measured (one H200)"
     weights = {"large": 0.7, "grouped_experts": 0.3}
     assert interference.mix(table, weights)["nccl"][0] == pytest.approx(
         0.7 * table[("nccl", "large")].compute + 0.3 * 0.60
     )
+
+
+def test_3_copy_engine_stand_in_keeps_the_profiled_stretch(tmp_path):
+    """The one-GPU stand-in for the copy engine (a local device-to-device copy) fills only
+    the classes the 2x H200 peer copy lacks, and only its compute figure: the copies' own
+    stretch stays the profiled step's. Before (8ed22ba), the local copy's own stretch
+    (+1116% beside large GEMMs: HBM-bound) slowed TIDE's NVLink copies, whose profiled
+    device time in the 2-GPU step grew +1.4%: Qwen3's tide row was +15% off."""
+    from torchtitan_tide.simulator import interference
+
+    _fake_one_gpu(tmp_path, grouped_nccl_pct=60.0, ce_side_pct=1116.0)
+    table = interference.figure_table(tmp_path, g_ce=0.014, ce_source="profiled step")
+    for cls in ("single_wave", "large"):
+        fig = table[("ce", cls)]
+        assert fig.kind == "measured (2x H200)" and fig.comm == pytest.approx(0.014)
+    for cls in ("grouped_experts", "attention"):
+        fig = table[("ce", cls)]
+        assert fig.kind == "measured (one H200)", cls
+        assert fig.compute == pytest.approx(0.03) and fig.comm == pytest.approx(0.014)
+        assert "own stretch not used" in fig.source and "profiled step" in fig.source
+    # the real kernels measured on one GPU keep their own stretch
+    assert table[("sm_rs", "large")].comm == pytest.approx(11.16)
+    qwen = "h200x2_qwen3_30b_a3b_4layers"
+    row = next(r for r in report.validation_rows(inputs.RESULTS, cluster.Cluster())
+               if r["config"] == qwen and r["mode"] == "tide")
+    assert abs(row["residual_pct"]) <= report.TOLERANCE_PCT, row["residual_pct"]
 
 
 def test_8_compute_scales_with_attention_and_activation_checkpointing():
