@@ -163,7 +163,30 @@ def _copy_lanes(events: list[dict]) -> list[dict]:
     return lanes
 
 
-def _timeline_png(path: Path, lanes: list[dict], title: str) -> bool:
+def _zoom_window(lanes: list[dict], width_ms: float) -> tuple[float, float] | None:
+    """The first ``width_ms`` window that holds copies on the most streams (the ranks share
+    one GPU, so a step is short bursts between long waits for the other ranks' turns)."""
+    copies = sorted((x for x in lanes if x["kind"] == "memcpy"), key=lambda x: x["start_ms"])
+    best, best_streams = None, 0
+    for first in copies:
+        end = first["start_ms"] + width_ms
+        streams = {x["stream"] for x in copies if first["start_ms"] <= x["start_ms"] < end}
+        if len(streams) > best_streams:
+            best, best_streams = (first["start_ms"], end), len(streams)
+    return best
+
+
+def _draw_lanes(ax, lanes: list[dict], streams: list[str]) -> None:
+    colors = {"memcpy": "tab:blue", "other_kernel": "tab:gray", "nccl_kernel": "tab:red"}
+    for x in lanes:
+        ax.barh(streams.index(str(x["stream"])), x["end_ms"] - x["start_ms"],
+                left=x["start_ms"], height=0.6, color=colors[x["kind"]])  # fmt: skip
+    ax.set_yticks(range(len(streams)), [f"stream {s}" for s in streams])
+
+
+def _timeline_png(path: Path, lanes: list[dict], title: str, zoom_ms: float = 0.3) -> bool:
+    """The step's copies and kernels per stream (top) and the first ``zoom_ms`` window with
+    copies on the most streams (bottom: placement copies beside the next wave's puts)."""
     try:
         import matplotlib
 
@@ -172,15 +195,20 @@ def _timeline_png(path: Path, lanes: list[dict], title: str) -> bool:
     except ImportError:
         return False
     streams = sorted({str(x["stream"]) for x in lanes})
-    fig, ax = plt.subplots(figsize=(12, 1 + 0.5 * len(streams)))
-    colors = {"memcpy": "tab:blue", "other_kernel": "tab:gray", "nccl_kernel": "tab:red"}
-    for x in lanes:
-        y = streams.index(str(x["stream"]))
-        ax.barh(y, x["end_ms"] - x["start_ms"], left=x["start_ms"], height=0.6,
-                color=colors[x["kind"]])  # fmt: skip
-    ax.set_yticks(range(len(streams)), [f"stream {s}" for s in streams])
-    ax.set_xlabel("ms from the step's first device event (copies blue, kernels grey)")
-    ax.set_title(title)
+    window = _zoom_window(lanes, zoom_ms)
+    panels = 2 if window else 1
+    fig, axes = plt.subplots(panels, 1, figsize=(12, panels * (1 + 0.5 * len(streams))),
+                             squeeze=False)  # fmt: skip
+    _draw_lanes(axes[0][0], lanes, streams)
+    axes[0][0].set_xlabel("ms from the step's first device event (copies blue, kernels grey)")
+    axes[0][0].set_title(title)
+    if window:
+        start, end = window
+        shown = [x for x in lanes if x["end_ms"] >= start and x["start_ms"] <= end]
+        ax = axes[1][0]
+        _draw_lanes(ax, shown, streams)
+        ax.set_xlim(start - 0.01, end)
+        ax.set_xlabel(f"ms, zoomed: the first {zoom_ms} ms with copies on the most streams")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

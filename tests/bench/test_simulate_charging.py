@@ -247,8 +247,11 @@ def test_3_copy_engine_stand_in_keeps_the_profiled_stretch(tmp_path):
     # the real kernels measured on one GPU keep their own stretch
     assert table[("sm_rs", "large")].comm == pytest.approx(11.16)
     qwen = "h200x2_qwen3_30b_a3b_4layers"
-    row = next(r for r in report.validation_rows(inputs.RESULTS, cluster.Cluster())
-               if r["config"] == qwen and r["mode"] == "tide")
+    row = next(
+        r
+        for r in report.validation_rows(inputs.RESULTS, cluster.Cluster())
+        if r["config"] == qwen and r["mode"] == "tide"
+    )
     assert abs(row["residual_pct"]) <= report.TOLERANCE_PCT, row["residual_pct"]
 
 

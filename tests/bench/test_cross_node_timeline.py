@@ -1,0 +1,41 @@
+"""bench_cross_node's timeline: the zoom panel finds the window with copies on the most
+streams (one GPU shared by every rank: short bursts between long waits), and the PNG is
+drawn with both panels."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench"
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+import bench_cross_node as bench
+
+
+def _lane(stream: int, start: float, dur: float, kind: str = "memcpy") -> dict:
+    return {"stream": stream, "kind": kind, "start_ms": start, "end_ms": start + dur}
+
+
+def test_zoom_window_takes_the_first_burst_on_the_most_streams():
+    lanes = [
+        _lane(1, 0.0, 0.01),                       # one stream alone
+        _lane(2, 10.0, 0.01), _lane(3, 10.05, 0.01),  # two streams
+        _lane(7, 10.02, 0.05, "other_kernel"),     # kernels do not count
+        _lane(2, 20.0, 0.01), _lane(3, 20.1, 0.01), _lane(4, 20.2, 0.01),  # three
+        _lane(2, 30.0, 0.01), _lane(3, 30.1, 0.01), _lane(4, 30.2, 0.01),  # three, later
+    ]  # fmt: skip
+    assert bench._zoom_window(lanes, 0.3) == pytest.approx((20.0, 20.3))
+    assert bench._zoom_window(lanes, 0.06) == pytest.approx((10.0, 10.06))
+    assert bench._zoom_window([_lane(7, 0.0, 1.0, "other_kernel")], 0.3) is None
+
+
+def test_timeline_png_is_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    lanes = [_lane(2, 10.0, 0.01), _lane(3, 10.05, 0.01), _lane(7, 0.0, 0.2, "other_kernel")]
+    path = tmp_path / "timeline.png"
+    assert bench._timeline_png(path, lanes, "test")
+    assert path.stat().st_size > 1000
