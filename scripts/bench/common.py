@@ -103,22 +103,25 @@ def slugify(text: str) -> str:
 def git_commit(repo_dir: str | os.PathLike | None = None) -> str:
     """``$TIDE_COMMIT`` when set (the GPU machine runs a copy of the tree whose
     ``git`` may answer for another checkout); else the short commit of ``repo_dir``
-    (default: this repository) from ``git rev-parse --short HEAD``; else ``"unknown"``."""
+    (default: this repository) from ``git rev-parse --short HEAD``, with ``-dirty`` when a
+    tracked file differs from it (the results were not made by that commit's code, or the
+    copy's ``.git`` is stale); else ``"unknown"``."""
     if os.environ.get("TIDE_COMMIT"):
         return os.environ["TIDE_COMMIT"]
-    fallback = "unknown"
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=str(repo_dir or REPO_ROOT),
+                              capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()  # fmt: skip
+
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=str(repo_dir or REPO_ROOT),
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        )
+        commit = git("rev-parse", "--short", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
     except (OSError, subprocess.SubprocessError):
-        return fallback
-    return out.stdout.strip() or fallback
+        return "unknown"
+    if not commit:
+        return "unknown"
+    return f"{commit}-dirty" if dirty else commit
 
 
 def machine_name() -> str:

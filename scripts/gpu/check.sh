@@ -88,6 +88,10 @@ else
   export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 fi
 python3 scripts/gpu/probe.py > "$LOGS/probe.json" 2>&1
+# The commit the result files are named with: TIDE_COMMIT, else git's answer ("-dirty" when a
+# tracked file differs: on the GPU machine's copy of the tree git may answer for a stale .git).
+commit_line="results named with commit $(python3 -c 'import sys; sys.path.insert(0, "scripts/bench"); import common; print(common.git_commit())' 2>/dev/null || echo unknown)"
+[[ -n "${TIDE_COMMIT:-}" ]] || commit_line+=" (TIDE_COMMIT unset: pass TIDE_COMMIT=\$(git rev-parse --short HEAD))"
 # SM clock, power and throttle reasons of every GPU once a second for the whole call
 # (read-only queries; the compute figures of one call are only comparable at like clocks).
 clock_sampler=""
@@ -100,6 +104,7 @@ fi
 status=0
 declare -a table
 note() { table+=("$1"); echo "$1"; }
+note "$commit_line"
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 # run NAME TIMEOUT_S CMD...: log to $LOGS/NAME.log, note the exit code and wall time
 run() {

@@ -71,9 +71,32 @@ def test_metadata_default_machine_on_cpu():
     assert common.metadata(1)["machine"] == "cpu"
 
 
-def test_git_commit_of_this_repo():
-    commit = common.git_commit(REPO)
+def test_git_commit_of_this_repo(monkeypatch):
+    monkeypatch.delenv("TIDE_COMMIT", raising=False)
+    commit = common.git_commit(REPO).removesuffix("-dirty")
     assert commit == "unknown" or (4 <= len(commit) <= 40 and commit.isalnum())
+
+
+def test_git_commit_says_dirty_when_a_tracked_file_differs(tmp_path, monkeypatch):
+    import subprocess
+
+    monkeypatch.delenv("TIDE_COMMIT", raising=False)
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True,
+                              text=True).stdout.strip()  # fmt: skip
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a")
+    head = git("rev-parse", "--short", "HEAD")
+    (tmp_path / "untracked.json").write_text("{}")  # results being written: not dirty
+    assert common.git_commit(tmp_path) == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert common.git_commit(tmp_path) == f"{head}-dirty"
+    monkeypatch.setenv("TIDE_COMMIT", "abc1234")
+    assert common.git_commit(tmp_path) == "abc1234"
 
 
 def test_slugify():
