@@ -65,13 +65,17 @@ def plan_report(
     rs_inflight: int = 2,
     slot_reuse: bool = True,
     cross_node: str = "p2p",
+    ag_in_place_groups: int | None = None,
 ) -> dict[str, Any]:
     """Everything the CLI prints, as JSON-ready data (bytes). ``cross_node``: the
-    cross-node transport the TIDE figures assume (``plan_memory``).
+    cross-node transport the TIDE figures assume (``plan_memory``); ``ag_in_place_groups``
+    None: the config's ``[tide] ag_in_place_groups``.
 
     Raises:
         ValueError: options :func:`plan_memory` refuses (its message).
     """
+    in_place_groups = (cm.tide.ag_in_place_groups if ag_in_place_groups is None
+                       else ag_in_place_groups)  # fmt: skip
     plans = plan_memory(
         cm.groups,
         world.shard_degree,
@@ -81,6 +85,7 @@ def plan_report(
         rs_inflight=rs_inflight,
         slot_reuse=slot_reuse,
         cross_node=cross_node,
+        ag_in_place_groups=in_place_groups,
     )
     return {
         "config": cm.path.name,
@@ -110,6 +115,7 @@ def plan_report(
             "rs_inflight": rs_inflight,
             "slot_reuse": slot_reuse,
             "cross_node": cross_node,
+            "ag_in_place_groups": in_place_groups,
         },
         "grouping": cm.grouping,
         "groups": [
@@ -185,7 +191,10 @@ def format_report(report: dict[str, Any], formulas: bool = False) -> str:
     tide = report["modes"]["tide"]
     lines += [
         "",
-        "tide parts, GiB: " + ", ".join(f"{k} {_gib(v)}" for k, v in tide["parts"].items()),
+        "tide parts, GiB: " + ", ".join(
+            f"{k}{' (of ag_slots)' if k == 'ag_arena' else ''} {_gib(v)}"
+            for k, v in tide["parts"].items()
+        ),
     ]
     if formulas:
         lines += [
@@ -279,6 +288,11 @@ def _parser() -> argparse.ArgumentParser:
         "where NCCL has host RMA between the nodes: check both)",
     )
     parser.add_argument(
+        "--ag-in-place-groups", type=int,
+        help="one-sided at one rank per node: groups the in-place all-gather's arena holds "
+        "(default: [tide] ag_in_place_groups)",
+    )
+    parser.add_argument(
         "--formulas", action="store_true", help="also print how each figure is computed"
     )
     parser.add_argument("--json", metavar="PATH", help="also write the plan as JSON (bytes)")
@@ -291,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     for flag, value in (("--rs-rows", args.rs_rows), ("--rs-inflight", args.rs_inflight)):
         if value is not None and value < 1:
             parser.error(f"{flag} {value} must be >= 1")
+    if args.ag_in_place_groups is not None and args.ag_in_place_groups < 0:
+        parser.error(f"--ag-in-place-groups {args.ag_in_place_groups} must be >= 0")
     try:
         cm = load_config_model(args.config)
         local, source = local_world_size_of(cm.tide, args.local_world_size)
@@ -303,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             cm.tide.slot_reuse if args.slot_reuse is None else args.slot_reuse,
             args.cross_node
             or ("one_sided" if cm.tide.cross_node_transport == "nccl_one_sided" else "p2p"),
+            args.ag_in_place_groups,
         )
         report["world"]["local_world_size_from"] = source
     except (ValueError, FileNotFoundError) as exc:  # FsdpGroupsError, TideConfigError

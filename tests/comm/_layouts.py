@@ -310,6 +310,7 @@ class TideRecord:
     ag_seen: dict = field(default_factory=dict)
     rs_seen: dict = field(default_factory=dict)
     ag_transport: dict = field(default_factory=dict)  # id(FSDPParam) -> transport class name
+    transports: dict = field(default_factory=dict)  # id(transport) -> the TIDE-AG transport
     logs: list = field(default_factory=list)
 
 
@@ -336,6 +337,7 @@ def watch_tide() -> Iterator[TideRecord]:
             rec.ag[id(fp)] += 1
             rec.ag_seen[id(fp)] = (group, state.plan.layout)
             rec.ag_transport[id(fp)] = type(state.transport).__name__
+        rec.transports[id(state.transport)] = state.transport
         return orig_ag(state, fsdp_params, group, *args, **kwargs)
 
     def counted_rs(state, fsdp_params, *args, **kwargs):

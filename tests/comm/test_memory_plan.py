@@ -258,6 +258,7 @@ def test_cli_reads_tide_section_and_flags_override(capsys, tmp_path):
         "rs_inflight": 3,
         "slot_reuse": True,
         "cross_node": "p2p",
+        "ag_in_place_groups": 0,
     }
     assert report["world"]["nodes"] == 2
     assert report["world"]["local_world_size_from"] == "[tide] local_world_size"
@@ -270,6 +271,7 @@ def test_cli_reads_tide_section_and_flags_override(capsys, tmp_path):
         "rs_inflight": 1,
         "slot_reuse": False,
         "cross_node": "one_sided",
+        "ag_in_place_groups": 0,
     }
     assert report["world"]["nodes"] == 1
 
@@ -287,15 +289,46 @@ def test_one_sided_windows_are_counted():
     dtypes = CommDtypes(param_bytes=2, reduce_bytes=4, master_bytes=4)
     shard = 1000 // 4 * 64  # W = 4
     p2p = plan_memory(groups, 4, 1, dtypes, rs_inflight=2)["tide"]
-    one = plan_memory(groups, 4, 1, dtypes, rs_inflight=2, cross_node="one_sided")["tide"]
+    one = plan_memory(groups, 4, 1, dtypes, rs_inflight=2, cross_node="one_sided",
+                      ag_in_place_groups=4)["tide"]  # fmt: skip
     assert p2p.parts["rs_cross_node_fp32"] == 3 * shard * 4
     assert one.parts["rs_cross_node_fp32"] == rs_ring_bytes(2, shard * 4, wire=False)
-    assert one.ag_bytes == window_layout(4, 1, shard * 2, 0).total_bytes
+    # one rank per node: the window also holds the in-place all-gather's arena (the unsharded
+    # group, as fsdp_internals.unsharded_bytes sizes it); without it, the placement window
+    arena = 1000 * 64 * 2
+    assert one.parts["ag_arena"] == arena
+    assert one.ag_bytes == window_layout(4, 1, shard * 2, 0, arena_bytes=arena).total_bytes
     assert one.ag_bytes + one.parts["rs_staging_extra"] == window_layout(
-        4, 1, shard * 2, max(shard * 2, shard * 4)).total_bytes
+        4, 1, shard * 2, max(shard * 2, shard * 4), arena_bytes=arena).total_bytes
+    placed = plan_memory(groups, 4, 1, dtypes, rs_inflight=2, cross_node="one_sided",
+                         ag_in_place_groups=0)["tide"]  # fmt: skip
+    assert "ag_arena" not in placed.parts
+    assert placed.ag_bytes == window_layout(4, 1, shard * 2, 0).total_bytes
+    assert one.ag_bytes - placed.ag_bytes == arena
+    with pytest.raises(ValueError, match="ag_in_place_groups"):
+        plan_memory(groups, 4, 1, dtypes, cross_node="one_sided", ag_in_place_groups=-1)
     # the ring does not grow with the node count at a fixed per-rank shard
     groups16 = [GroupShape("layer", ((4000, 64),))]  # W = 16: the same shard per rank
     one16 = plan_memory(groups16, 16, 1, dtypes, rs_inflight=2, cross_node="one_sided")["tide"]
     assert one16.parts["rs_cross_node_fp32"] == one.parts["rs_cross_node_fp32"]
     with pytest.raises(ValueError, match="cross_node"):
         plan_memory(groups, 4, 1, dtypes, cross_node="rdma")
+
+
+def test_cli_counts_the_in_place_arena(capsys, tmp_path):
+    """``--ag-in-place-groups`` (else ``[tide] ag_in_place_groups``): one-sided at one rank
+    per node, the window's arena shows as ``ag_arena``, a share of ``ag_slots``."""
+    out_json = tmp_path / "plan.json"
+    base = ["--config", "debug_model.toml", "--gpus", "4", "--local-world-size", "1",
+            "--cross-node", "one_sided", "--json", str(out_json)]  # fmt: skip
+    out = _run_cli(capsys, *base)
+    placed = json.loads(out_json.read_text())["modes"]["tide"]["parts"]
+    assert "ag_arena" not in placed and "ag_arena" not in out
+    out = _run_cli(capsys, *base, "--ag-in-place-groups", "2")
+    report = json.loads(out_json.read_text())
+    parts = report["modes"]["tide"]["parts"]
+    assert report["options"]["ag_in_place_groups"] == 2
+    assert parts["ag_arena"] > 0 and parts["ag_slots"] - placed["ag_slots"] == parts["ag_arena"]
+    assert "ag_arena (of ag_slots)" in out
+    with pytest.raises(SystemExit):
+        memory_report.main([*base, "--ag-in-place-groups", "-1"])

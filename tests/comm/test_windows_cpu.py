@@ -48,7 +48,8 @@ def _check_windows(expect_ring: bool):
     return post_apply, seen
 
 
-def _parity_worker(rank: int, world: int, lws: int, tolerance: float, extra: dict) -> None:
+def _parity_worker(rank: int, world: int, lws: int, tolerance: float, extra: dict,
+                   expect_full: bool = False) -> None:  # fmt: skip
     os.environ["TIDE_RMA_STANDIN"] = "1"
     records = LogRecords()
     logging.getLogger("torchtitan_tide").addHandler(records)
@@ -64,8 +65,22 @@ def _parity_worker(rank: int, world: int, lws: int, tolerance: float, extra: dic
                tolerance=tolerance)  # fmt: skip
     counters = [t.counters for t in seen["transports"]]
     assert sum(c.all_gathers for c in counters) > 0
+    in_place = sum(c.in_place_all_gathers for c in counters)
+    placed = sum(c.placed_copies for c in counters)
     if world > 1:
-        assert sum(c.puts for c in counters) > 0 and sum(c.placed_copies for c in counters) > 0
+        assert sum(c.puts for c in counters) > 0
+    groups_in_place = extra.get("ag_in_place_groups", 0)
+    if lws == 1 and nodes > 1 and groups_in_place > 0:
+        # one rank per node: straight into parameter storage on the arena; placement only
+        # for the all-gathers that found the arena full
+        assert in_place > 0, "no all-gather went in place"
+        assert sum(c.credits for c in counters) > 0, "no arena range was released"
+        full = sum(c.arena_full for c in counters)
+        assert (placed > 0) == (full > 0), (placed, full)
+        if expect_full:
+            assert full > 0, "the arena never ran full"
+    elif world > 1:
+        assert in_place == 0 and placed > 0, (in_place, placed)
     if lws > 1:
         assert sum(c.rs_rounds for c in counters) > 0 and sum(c.waits for c in counters) > 0
     if nodes > 1:
@@ -79,14 +94,20 @@ def _parity_worker(rank: int, world: int, lws: int, tolerance: float, extra: dic
 @pytest.mark.parametrize(
     "world,lws,extra",
     [(4, 2, {}), (4, 1, {}), (2, 2, {}), (6, 2, {}),
-     (4, 2, {"rs_rows": 1, "pacing": 1, "rs_inflight": 1, "rs_wire_dtype": "bfloat16"})],
-    ids=["2x2", "4x1", "1x2", "3x2", "2x2-rows1-paced-ring1-bf16wire"],
+     (4, 2, {"rs_rows": 1, "pacing": 1, "rs_inflight": 1, "rs_wire_dtype": "bfloat16"}),
+     (3, 1, {"ag_in_place_groups": 1}), (4, 1, {"ag_in_place_groups": 4}),
+     (2, 1, {"ag_in_place_groups": 4})],
+    ids=["2x2", "4x1", "1x2", "3x2", "2x2-rows1-paced-ring1-bf16wire",
+         "3x1-arena1", "4x1-in-place", "2x1-in-place"],
 )  # fmt: skip
 def test_windows_parity_with_fsdp2(world, lws, extra):
     # two ranks add in one order only; more reduce in another order than gloo; a bf16 wire
     # rounds each node's partial once (docs/2026-12-02-rs-wire.md)
     tolerance = 0.0 if world == 2 else 1e-2 if extra.get("rs_wire_dtype") else 1e-5
-    spawn(_parity_worker, world, lws, tolerance, extra)
+    # an arena of one group's size runs full whenever two groups are unsharded at once
+    # (prefetch, reshard_after_forward=False): those all-gathers take the placement path
+    expect_full = extra.get("ag_in_place_groups") == 1
+    spawn(_parity_worker, world, lws, tolerance, extra, expect_full)
 
 
 def _allocation_failure(rank: int, world: int) -> None:
@@ -124,3 +145,29 @@ def _allocation_failure(rank: int, world: int) -> None:
 
 def test_failed_window_allocation_on_one_rank_falls_back_at_once():
     spawn(_allocation_failure, 2)
+
+
+def _compiled_in_place(rank: int, world: int) -> None:
+    from dataclasses import replace
+
+    from _layouts import Layout, run_layout
+
+    os.environ["TIDE_RMA_STANDIN"] = "1"
+    base = Layout(local_world_sizes=(1,), expect_transport="WindowTransport", steps=2,
+                  tide={"ag_in_place_groups": 4})  # fmt: skip
+    for layout in (replace(base, compile=True), replace(base, ac="full"),
+                   replace(base, model="qwen3_moe", num_experts=4)):  # fmt: skip
+        rec = run_layout(rank, world, layout)
+        counters = [t.counters for t in rec.transports.values()]
+        assert sum(c.in_place_all_gathers for c in counters) > 0, layout
+        assert sum(c.credits for c in counters) > 0, layout
+
+
+@pytest.mark.slow
+def test_in_place_under_compile_ac_and_moe():
+    """One rank per node on the windows (2 x 1): TorchTitan's per-block ``torch.compile``,
+    full activation checkpointing (forward re-run in backward: the group is all-gathered
+    again into a new arena range) and the Qwen3 MoE model, all-gathers in place, against
+    stock FSDP2 (``_layouts.run_layout``: gradients after every backward, unsharded
+    parameters after every all-gather, losses)."""
+    spawn(_compiled_in_place, 2)

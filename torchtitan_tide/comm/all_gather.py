@@ -14,7 +14,9 @@ Streams and ownership (CUDA):
   sharded parameters there is safe. One stream per device also serializes all
   TIDE all-gathers, which the copy-engine slot protocol relies on.
 - The unsharded storage (``fsdp_param.all_gather_outputs[0]``) is allocated
-  by FSDP's own ``alloc_all_gather_outputs`` on the TIDE stream, written there
+  by FSDP's own ``alloc_all_gather_outputs`` on the TIDE stream (unless the transport
+  points it at its own memory: ``bind_in_place``, the windows' in-place all-gather, whose
+  ``release`` FSDP2's free then calls), written there
   and read/freed by FSDP on the compute stream (the stream current when
   ``unshard`` was called). ``record_stream(compute)`` makes the caching
   allocator wait for the compute stream before reusing the block after FSDP's
@@ -152,12 +154,16 @@ def tide_all_gather(
             dtype = fsdp_param.param_dtype if fsdp_param.param_dtype is not None else inp.dtype
             inputs.append(inp)
             fsdp_param.init_all_gather_outputs([p.shard_numel], [dtype], world, device)
-            fsdp_param.alloc_all_gather_outputs()
-            out = fsdp_param.all_gather_outputs[0]
-            if compute_stream is not None:
-                # Allocated on the TIDE stream, freed by FSDP on the compute stream.
-                out.record_stream(compute_stream)
-            outputs.append(out)
+            outputs.append(fsdp_param.all_gather_outputs[0])
+        # In place (windows at one rank per node): the storages now point into the window.
+        bind = getattr(state.transport, "bind_in_place", None)
+        in_place = bind is not None and bind(plan, fsdp_params, outputs, state.fqn)
+        if not in_place:
+            for fsdp_param, out in zip(fsdp_params, outputs):
+                fsdp_param.alloc_all_gather_outputs()
+                if compute_stream is not None:
+                    # Allocated on the TIDE stream, freed by FSDP on the compute stream.
+                    out.record_stream(compute_stream)
         guarded = tuple(o for o in outputs if not o.is_inference())
         preserve = (
             torch.autograd._unsafe_preserve_version_counter(guarded)
@@ -166,7 +172,12 @@ def tide_all_gather(
         )
         with preserve:
             if (hook := _debug_hooks["before"]) is not None:
-                hook(outputs)
+                # In place, peers may already have put into the storages: only the own
+                # shards are poisoned here (the transport poisons a range on release).
+                hook(outputs if not in_place else [
+                    o.narrow(0, p.dst_offset(rank), p.shard_numel)
+                    for o, p in zip(outputs, plan.params)
+                ])  # fmt: skip
             # Own shard: one cast-copy per parameter (FSDP's copy-in does the
             # same fp32 -> bf16 cast with the same rounding), unless the
             # transport writes it itself (copy engine: from its packed slot).

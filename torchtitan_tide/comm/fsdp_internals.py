@@ -44,6 +44,7 @@ __all__ = [
     "set_patched",
     "shard_bytes",
     "shard_group",
+    "unsharded_bytes",
     "unsupported_param_reason",
 ]
 
@@ -191,5 +192,17 @@ def shard_bytes(param_group, which: str, align: int = 1) -> int:
         if which == "reduce":
             dtype = param_group.mp_policy.reduce_dtype or dtype
         nbytes = fp._sharded_param_data.numel() * dtype.itemsize
+        total += -(-nbytes // align) * align
+    return total
+
+
+def unsharded_bytes(param_group, world_size: int, align: int = 1) -> int:
+    """Bytes of a group's unsharded parameters as FSDP2 all-gathers them (every rank's
+    padded shard, in the all-gather dtype), each parameter rounded up to ``align`` bytes:
+    what the windows' in-place all-gather holds in its arena for the group."""
+    total = 0
+    for fp in param_group.fsdp_params:
+        itemsize = ag_dtype(fp, param_group.mp_policy).itemsize
+        nbytes = world_size * fp._sharded_param_data.numel() * itemsize
         total += -(-nbytes // align) * align
     return total

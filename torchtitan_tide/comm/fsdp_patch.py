@@ -23,7 +23,11 @@ dispatching wrappers (every read of FSDP2 internals is in ``fsdp_internals``):
   forward of a TIDE model says so (:func:`check_not_bypassed`).
 
 ``unshard``/``wait_for_unshard``/``reshard``/``post_backward`` are untouched,
-so prefetching, resharding and FSDP's stream/event protocol stay FSDP2's.
+so prefetching, resharding and FSDP's stream/event protocol stay FSDP2's. One method is
+wrapped as well: ``FSDPParam.free_unsharded_param`` (FSDP2's reshard of one parameter),
+so that a parameter whose unsharded storage a transport pointed at its own memory
+(:func:`hold_unsharded`: the windows' in-place all-gather) is handed back to that
+transport first; every other parameter goes straight to FSDP2's method.
 Which groups are marked, and with what, is decided by ``comm/install.py``.
 """
 
@@ -33,7 +37,7 @@ import logging
 import weakref
 
 from torch import nn
-from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedState
 
 from . import fsdp_internals
 from .all_gather import (
@@ -47,8 +51,8 @@ from .reduce_scatter import TideRSState, try_reduce
 from .transport import clear_global_ranks
 
 __all__ = [
-    "acquire", "check_not_bypassed", "fsdp_param_groups", "installed_refcount", "mark",
-    "release", "unmark",
+    "acquire", "check_not_bypassed", "drop_unsharded", "fsdp_param_groups", "hold_unsharded",
+    "installed_refcount", "mark", "release", "unmark",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -64,6 +68,9 @@ _groups_by_params: dict[int, weakref.ref] = {}
 # id(FSDPParam) -> weakref(param_group): foreach_reduce gets a new list of
 # the group's parameters that have gradients.
 _groups_by_param: dict[int, weakref.ref] = {}
+# id(FSDPParam) -> the transport holding its unsharded storage (``release(fsdp_param)``).
+_held: dict[int, object] = {}
+_FREE = "free_unsharded_param"
 
 
 def mark(param_group, ag_state: TideGroupState, rs_state: TideRSState | None) -> None:
@@ -210,6 +217,24 @@ def _foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, *args, *
     )
 
 
+def hold_unsharded(fsdp_param, owner) -> None:
+    """``owner`` pointed ``fsdp_param``'s unsharded storage at its own memory: FSDP2's next
+    free of it calls ``owner.release(fsdp_param)`` first."""
+    _held[id(fsdp_param)] = owner
+
+
+def drop_unsharded(fsdp_param) -> None:
+    """Forget :func:`hold_unsharded` (the owner took the storage back itself)."""
+    _held.pop(id(fsdp_param), None)
+
+
+def _free_unsharded_param(self) -> None:
+    owner = _held.pop(id(self), None)
+    if owner is not None:
+        owner.release(self)
+    return _originals[_FREE](self)
+
+
 _wrappers = {
     "foreach_all_gather": _foreach_all_gather,
     "foreach_all_gather_copy_out": _foreach_all_gather_copy_out,
@@ -224,6 +249,8 @@ def acquire() -> None:
         for name in fsdp_internals.PATCHED_NAMES:
             _originals[name] = fsdp_internals.get_patched(name)
             fsdp_internals.set_patched(name, _wrappers[name])
+        _originals[_FREE] = FSDPParam.free_unsharded_param
+        FSDPParam.free_unsharded_param = _free_unsharded_param
         _bypass_warned.clear()
     _refcount += 1
 
@@ -242,6 +269,13 @@ def release() -> None:
                     "TIDE: FSDP2's %s was rebound by someone else after TIDE; not restoring",
                     name,
                 )
+        if FSDPParam.free_unsharded_param is _free_unsharded_param:
+            FSDPParam.free_unsharded_param = _originals.pop(_FREE)
+        else:
+            _originals.pop(_FREE)
+            logger.warning("TIDE: FSDPParam.%s was rebound by someone else after TIDE; "
+                           "not restoring", _FREE)  # fmt: skip
+        _held.clear()
         clear_global_ranks()
 
 

@@ -31,6 +31,7 @@ from .fsdp_internals import fsdp_param_groups
 from .memory_plan import rs_staging_bytes, slot_sizes
 from .options import TideOptions
 from .plan import ParamSpec, WorldLayout, build_group_plan
+from .poison import poison_value
 from .reduce_scatter import WIRE_DTYPES, RSBuffers, TideRSState, wire_label
 from .setup_steps import SetupSteps
 from .transport import (
@@ -43,7 +44,8 @@ from .transport import (
 from .transport.copy_engine import CopyEngineTransport, SymmSlots
 from .transport.one_sided import OneSidedCrossNode, rs_ring_bytes
 from .transport.p2p import P2PCrossNode, P2PTransport
-from .transport.windows import WindowSlots, WindowTransport
+from .transport.windows import InPlace, WindowSlots, WindowTransport, swap_missing_reason
+from .window_arena import ARENA_ALIGN, WindowArena
 from .window_rounds import window_layout
 
 __all__ = [
@@ -64,6 +66,7 @@ class TideContext:
     slots: list = field(default_factory=list)  # SymmSlots
     node_groups: list = field(default_factory=list)  # node-local process groups made here
     rma_comms: list = field(default_factory=list)  # one-sided communicators (windows, ring)
+    window_transports: list = field(default_factory=list)  # WindowTransport (in-place owners)
     decisions: list = field(default_factory=list)  # what install logged: path per group, why
     forward_hook: object = None  # RemovableHandle of the bypass check
 
@@ -452,6 +455,20 @@ def _one_sided_refusal(members: list[_Candidate], options: TideOptions, why: str
         )
 
 
+def _in_place_missing(layout, users: list, options: TideOptions) -> str | None:
+    """Why the windows of this process group place with copies instead of delivering in
+    place (None: in place; ``transport/windows.py``)."""
+    if not users:
+        return "no group on the window"
+    if options.ag_in_place_groups == 0:
+        return "[tide] ag_in_place_groups = 0"
+    if layout.local_world_size != 1:
+        return f"{layout.local_world_size} ranks per node (in place runs at one)"
+    if layout.num_nodes < 2:
+        return "one node"
+    return swap_missing_reason()
+
+
 def _connect_windows(
     taken: list[_Candidate],
     options: TideOptions,
@@ -487,8 +504,14 @@ def _connect_windows(
             sum(fp._sharded_param_data.numel() for fp in m.pg.fsdp_params) for m in members
         )
         why = found.reason
-        slots_bytes = ring_bytes = 0
+        slots_bytes = ring_bytes = arena_bytes = 0
         wl = None
+        in_place_why = _in_place_missing(layout, users, options)
+        if in_place_why is None:
+            arena_bytes = sum(sorted(
+                (fsdp_internals.unsharded_bytes(m.pg, layout.world_size, ARENA_ALIGN)
+                 for m in users), reverse=True,
+            )[: options.ag_in_place_groups])  # fmt: skip
         if why is None:
             if users:
                 wl = window_layout(
@@ -501,6 +524,7 @@ def _connect_windows(
                         options.rs_rows,
                     ) if tide_rs else 0,
                     options.slot_reuse,
+                    arena_bytes,
                 )  # fmt: skip
                 slots_bytes = wl.total_bytes
             if ring_wanted:
@@ -509,7 +533,8 @@ def _connect_windows(
             assert steps is not None
             scope = f"windows{k}/{zlib.crc32(repr(peers).encode()):08x}"
             slots_window, ring, why = window_setup.connect(
-                steps, scope, c.group, c.device, found, slots_bytes, ring_bytes
+                steps, scope, c.group, c.device, found, slots_bytes, ring_bytes,
+                ag_credit=bool(arena_bytes),
             )
         if why is not None:  # probe and connect aborted what they made
             if users or ring_wanted:
@@ -526,13 +551,25 @@ def _connect_windows(
         if slots_window is not None:
             slots = WindowSlots(found.slots_comm, slots_window, wl, name,
                                 tuple(group_global_ranks(c.group)))  # fmt: skip
-            windows[key] = WindowTransport(slots, options.pacing)
+            in_place = None
+            if arena_bytes:
+                in_place = InPlace(WindowArena(wl.arena_base, wl.arena_bytes),
+                                   found.ag_credit_comm)  # fmt: skip
+                if poison_value() is not None:  # tests: a range never written reads NaN
+                    slots_window.tensor.narrow(0, wl.arena_base, wl.arena_bytes).fill_(0xFF)
+                    if c.device.type == "cuda":
+                        torch.cuda.synchronize(c.device)
+            windows[key] = WindowTransport(slots, options.pacing, in_place)
+            ctx.window_transports.append(windows[key])
         if ring is not None:
             rings[key] = OneSidedCrossNode(
                 ring[0], ring[1], ring[2], layout, c.group.rank(), options.rs_inflight,
                 4 * reduce_numel, wire, name,
             )  # fmt: skip
         parts = ([f"window {slots_bytes} B (TIDE-AG, TIDE-RS rows)"] if slots_window else []) + (
+            [f"TIDE-AG in place: arena {arena_bytes} B for {options.ag_in_place_groups} groups"]
+            if slots_window and arena_bytes else
+            [f"TIDE-AG placement copies: {in_place_why}"] if slots_window else []) + (
             [f"phase-2 ring {ring_bytes} B ({options.rs_inflight} regions)"] if ring else [])
         if ring is not None or (slots_window is not None and layout.num_nodes > 1):
             decisions.append(
@@ -786,6 +823,9 @@ def _drop(ctx: TideContext, abort_rma: bool = True) -> None:
     ``abort_rma=False`` the communicators are finalized, collective over their ranks)."""
     for pg in ctx.groups:
         fsdp_patch.unmark(pg)
+    for transport in ctx.window_transports:  # parameters still in a window get their own
+        transport.detach_all()
+    ctx.window_transports.clear()
     ctx.slots.clear()  # symmetric buffers are freed with their last reference
     for node_group in ctx.node_groups:
         with contextlib.suppress(Exception):

@@ -51,6 +51,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .plan import WorldLayout
+from .window_arena import aligned
 from .window_rounds import ring_layout, window_layout
 
 __all__ = [
@@ -94,7 +95,9 @@ FORMULAS: dict[str, dict[str, str]] = {
             "+ (N > 1) (K+1)*S_max*4 fp32 partial ring and receive buffer, K = rs_inflight; "
             "one-sided cross-node transport instead (N > 1): one NCCL window of 2*N*A rail "
             "entries + 2*max((L-1)*N*A, R*S_max*b_grad) local entries / rows (Slot-Reuse) + "
-            "R*S_max*b_grad send rows, and a phase-2 ring of 2K*round256(S_max*4)"
+            "R*S_max*b_grad send rows, and a phase-2 ring of 2K*round256(S_max*4); at L = 1 "
+            "the window also holds the in-place all-gather's arena: the unsharded bytes "
+            "(each parameter round256(W*s_p*b_ag)) of the ag_in_place_groups largest groups"
         ),
         "gradients": "sum_g S_g*b_red",
         "params_optimizer": "sum_g S_g*b_master*3",
@@ -279,6 +282,7 @@ def plan_memory(
     rs_inflight: int = 2,
     slot_reuse: bool = True,
     cross_node: str = "p2p",
+    ag_in_place_groups: int = 0,
 ) -> dict[str, ModePlan]:
     """Per-rank buffer bytes of every mode in :data:`MODES` (see the module docstring).
 
@@ -295,6 +299,9 @@ def plan_memory(
             NCCL has host RMA): more than one node then runs TIDE-AG and TIDE-RS's rows in
             one window (``window_rounds.window_layout``) and TIDE-RS phase 2 in a ring of
             ``2K x round256(S_max x 4)``, persistent, whatever the node count.
+        ag_in_place_groups: ``[tide] ag_in_place_groups``: one-sided at one rank per node,
+            the window also holds an arena of that many of the largest groups' unsharded
+            parameters (TIDE-AG in place, ``window_arena``).
 
     Raises:
         ValueError: naming the argument that is out of range.
@@ -303,6 +310,10 @@ def plan_memory(
     for name, value in (("rs_rows", rs_rows), ("rs_inflight", rs_inflight)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} = {value!r} must be an integer >= 1")
+    if isinstance(ag_in_place_groups, bool) or not isinstance(ag_in_place_groups, int) or (
+        ag_in_place_groups < 0
+    ):
+        raise ValueError(f"ag_in_place_groups = {ag_in_place_groups!r} must be an integer >= 0")
     if cross_node not in ("p2p", "one_sided"):
         raise ValueError(f"cross_node = {cross_node!r}: choose 'p2p' or 'one_sided'")
     groups = [g for g in groups if g.param_shapes]
@@ -318,9 +329,11 @@ def plan_memory(
     stock_rs = 2 * max(world * s * dtypes.reduce_bytes for s in shard)
     stock_parts = {"ag_flat_buffers": stock_ag, "rs_input_buffers": stock_rs}
     pool_note = "same sizes as fsdp2, from the symmetric-memory pool (persistent, cached)"
-    tide = _tide_buffers(groups, layout, dtypes, rs_rows, rs_inflight, slot_reuse, cross_node)
+    tide = _tide_buffers(groups, layout, dtypes, rs_rows, rs_inflight, slot_reuse, cross_node,
+                         ag_in_place_groups)  # fmt: skip
     tide_ag = _tide_buffers(
-        groups, layout, dtypes, rs_rows, rs_inflight, slot_reuse=False, cross_node=cross_node
+        groups, layout, dtypes, rs_rows, rs_inflight, slot_reuse=False, cross_node=cross_node,
+        ag_in_place_groups=ag_in_place_groups,
     )
     ag_note = tide.notes[0]
     return {
@@ -369,17 +382,21 @@ class _TideBuffers:
     rs_staging_extra: int
     rs_cross_node_fp32: int
     notes: tuple[str, ...]
+    ag_arena: int = 0  # of ag_slots: the in-place all-gather's arena (one rank per node)
 
     @property
     def rs_bytes(self) -> int:
         return self.rs_staging_extra + self.rs_cross_node_fp32
 
     def parts(self) -> dict[str, int]:
-        return {
+        parts = {
             "ag_slots": self.ag_slots,
             "rs_staging_extra": self.rs_staging_extra,
             "rs_cross_node_fp32": self.rs_cross_node_fp32,
         }
+        if self.ag_arena:  # a share of ag_slots, not a term of its own
+            parts["ag_arena"] = self.ag_arena
+        return parts
 
 
 def _tide_buffers(
@@ -390,6 +407,7 @@ def _tide_buffers(
     rs_inflight: int,
     slot_reuse: bool,
     cross_node: str = "p2p",
+    ag_in_place_groups: int = 0,
 ) -> _TideBuffers:
     """TIDE-AG slots and TIDE-RS buffers as ``install.install`` sizes them
     (the copy-engine slots through the same :func:`slot_sizes`; the NCCL windows through
@@ -429,12 +447,18 @@ def _tide_buffers(
             f"RS: point-to-point staging of {rows} row(s)",
         ]
     one_sided = cross_node == "one_sided" and nodes > 1
+    arena = 0
     if one_sided:  # NCCL windows: one window for TIDE-AG and TIDE-RS's rows, a phase-2 ring
         entry = max(aligned_group_bytes(g, world, dtypes.param_bytes) for g in groups)
         rs_area = rs_staging_bytes(local, [s * dtypes.grad for s in shard],
                                    [s * dtypes.reduce_bytes for s in shard], rs_rows)  # fmt: skip
-        ag_slots = window_layout(nodes, local, entry, 0, slot_reuse).total_bytes
-        rs_staging = window_layout(nodes, local, entry, rs_area, slot_reuse).total_bytes - ag_slots
+        if local == 1 and ag_in_place_groups:  # as install: fsdp_internals.unsharded_bytes
+            arena = sum(sorted((sum(aligned(padded_shard_numel(shape, world) * world
+                                            * dtypes.param_bytes) for shape in g.param_shapes)
+                                for g in groups), reverse=True)[:ag_in_place_groups])  # fmt: skip
+        ag_slots = window_layout(nodes, local, entry, 0, slot_reuse, arena).total_bytes
+        rs_staging = (window_layout(nodes, local, entry, rs_area, slot_reuse, arena).total_bytes
+                      - ag_slots)  # fmt: skip
         cross = ring_layout(rs_inflight, shard_max * 4, wire=False).total_bytes
         notes = [
             f"AG: one NCCL window, 2 x {nodes} rail entries"
@@ -444,11 +468,18 @@ def _tide_buffers(
             (f"RS: one-sided ring of {rs_inflight} send + {rs_inflight} receive regions "
              "(constant in the node count)"),
         ]
+        if arena:
+            notes.insert(1, (
+                f"AG in place: ag_arena (in ag_slots) holds the unsharded parameters of the "
+                f"{ag_in_place_groups} largest groups, counted whole although FSDP2 holds "
+                "the same parameters in caching-allocator blocks while a group is unsharded "
+                "(up to 3 groups at once under torchtitan's defaults); [tide] "
+                "ag_in_place_groups = 0: no arena, placement copies"))
     else:
         cross = (rs_inflight + 1) * shard_max * 4 if nodes > 1 else 0
         if cross:
             notes.append(f"RS: cross-node fp32 ring of {rs_inflight} partials + 1 receive buffer")
-    return _TideBuffers(ag_slots, rs_staging, cross, tuple(notes))
+    return _TideBuffers(ag_slots, rs_staging, cross, tuple(notes), arena)
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -127,6 +127,14 @@ class TideOptions:
         ``"kernel"``: torch's symmetric-memory barrier kernel (1 CTA that spins
         on an SM while it waits). Where the copy-engine barrier cannot run on
         some rank, every rank takes the kernel, logged.
+    ag_in_place_groups:
+        NCCL windows at one rank per node: TIDE-AG puts every shard straight into its
+        parameter's unsharded storage, which then lives in the window's arena until FSDP2
+        reshards the group (no pack, no placement copy; docs/2026-12-04-windows.md). The
+        arena holds this many of the largest groups at once (4 covers the root group, the
+        last block and two in flight); an all-gather that finds it full places its shards
+        with copies, logged. ``0`` (default until a GPU run has checked the in-place path,
+        see the docs): every all-gather places (no arena).
     """
 
     transport: str = "auto"
@@ -140,6 +148,7 @@ class TideOptions:
     rs_wire_dtype: str = "float32"
     slot_reuse: bool = True
     slot_barrier: str = "copy_engine"
+    ag_in_place_groups: int = 0
     install_timeout_s: int = 120
 
     def __post_init__(self) -> None:
@@ -203,4 +212,7 @@ def validate_options(options: TideOptions) -> None:
         )
     _choice(options, "slot_barrier", SLOT_BARRIERS,
             "; 'kernel' uses torch's symmetric-memory barrier kernel")  # fmt: skip
+    _integer(options, "ag_in_place_groups", 0,
+             " (groups whose unsharded parameters the window arena holds; 0 = placement "
+             "copies)")  # fmt: skip
     _integer(options, "install_timeout_s", 1, " (seconds)")

@@ -19,11 +19,17 @@ Window of one rank of a process group laid out as ``num_nodes x local_world_size
   all-gather part. Written only by local peers (and this rank's own RS row).
 - ``send``: ``rows`` staging rows of TIDE-RS slices this rank packs before putting them (a
   put reads registered memory of its own rank; NCCL refuses anything else).
+- ``arena`` (one rank per node, ``[tide] ag_in_place_groups`` > 0): the unsharded
+  parameters of the groups all-gathered in place, ranges handed out by ``window_arena``.
 
 Rounds, as ops on three streams (``main``: the caller's, TIDE's stream; ``put``: every put,
 signal and the rail waits; ``place``: placement copies and the waits on local peers). Every
 signal to a peer is issued on ``put``, so a peer's signals arrive in the order issued.
 
+- All-gather in place (:func:`ag_in_place_ops`, one rank per node): every shard put
+  straight into the parameters' unsharded storage, which lives in the window's ``arena``
+  (``window_arena``) from the all-gather until FSDP2 reshards the group; no pack, no
+  placement. Reuse of an arena range waits for credits (``window_arena``'s docstring).
 - All-gather (:func:`ag_round_ops`): pack the own entry (the cast FSDP2's copy-in does), fan
   it out to the local peers, place it; then per cross-node exchange (recursive doubling among
   rail peers, the direct exchange when ``num_nodes`` is no power of two) and per wave of at
@@ -60,6 +66,7 @@ __all__ = [
     "Signal",
     "Wait",
     "WindowLayout",
+    "ag_in_place_ops",
     "ag_round_ops",
     "entry_runs",
     "paced_pieces",
@@ -97,6 +104,8 @@ class WindowLayout:
     rs_offset: int  # of the RS rows inside a local half
     send_base: int
     total_bytes: int
+    arena_base: int = 0  # the in-place all-gather's arena (``window_arena``), at the end
+    arena_bytes: int = 0
 
     def rail(self, half: int, node: int, entry_bytes: int) -> int:
         """Byte offset of rail entry ``node`` of ``half`` for a group of ``entry_bytes``."""
@@ -124,10 +133,11 @@ class WindowLayout:
 
 def window_layout(
     num_nodes: int, local_world_size: int, entry_bytes: int, rs_area_bytes: int,
-    slot_reuse: bool = True,
+    slot_reuse: bool = True, arena_bytes: int = 0,
 ) -> WindowLayout:  # fmt: skip
     """The window of a process group laid out ``num_nodes x local_world_size``
-    (``rs_area_bytes`` 0: no TIDE-RS; ``memory_plan.rs_staging_bytes`` sizes it)."""
+    (``rs_area_bytes`` 0: no TIDE-RS; ``memory_plan.rs_staging_bytes`` sizes it;
+    ``arena_bytes`` 0: no in-place all-gather)."""
     if num_nodes < 1 or local_world_size < 1:
         raise ValueError(f"layout {num_nodes} x {local_world_size}")
     rail_half = _align(num_nodes * entry_bytes)
@@ -138,10 +148,12 @@ def window_layout(
         local_half, rs_offset = _align(_align(ag_local) + rs_area_bytes), _align(ag_local)
     local_base = 2 * rail_half
     send_base = local_base + 2 * local_half
-    total = _align(send_base + rs_area_bytes)
+    arena_base = _align(send_base + rs_area_bytes)
+    total = arena_base + _align(arena_bytes)
     return WindowLayout(
         num_nodes, local_world_size, entry_bytes, rs_area_bytes, slot_reuse,
-        0, rail_half, local_base, local_half, rs_offset, send_base, total,
+        0, rail_half, local_base, local_half, rs_offset, send_base, total, arena_base,
+        _align(arena_bytes),
     )  # fmt: skip
 
 
@@ -347,6 +359,48 @@ def ag_round_ops(
             ops += arrivals(first, count)
     ops += [Fork(PUT, MAIN), Fork(PLACE, MAIN)]
     return ops
+
+
+def ag_in_place_ops(
+    plan: GroupPlan, param_offsets: tuple[int, ...], shard_bytes: tuple[int, ...],
+    start: int, credit: int, credits_seen: dict[int, int], ag_index: int,
+) -> tuple[list[Op], dict[int, int]]:  # fmt: skip
+    """One all-gather of ``plan`` (one rank per node, cross-node exchanges only) straight into
+    the parameters' storage at arena byte ``start``: parameter ``i`` at ``start +
+    param_offsets[i]``, rank ``r``'s shard of it ``shard_bytes[i]`` bytes at ``r *
+    shard_bytes[i]`` from there (FSDP2's all-gather output layout). The own shards are
+    already there (cast by the caller on ``main``). ``credit``: the release number the range
+    waits for (``window_arena``); ``credits_seen``: credits already waited for per peer.
+    Returns the ops and the new ``credits_seen``. Per exchange: one put per parameter and
+    run of ranks into the same bytes of the peer's arena, then a wait for the peer's puts."""
+    layout: WorldLayout = plan.layout
+    if layout.local_world_size != 1:
+        raise ValueError("the in-place all-gather runs at one rank per node")
+    seen = dict(credits_seen)
+    live = [i for i, n in enumerate(shard_bytes) if n]
+
+    def puts(runs: list[tuple[int, int]], peer: int) -> list[Op]:
+        return [
+            Put(PUT, start + param_offsets[i] + first * shard_bytes[i], count * shard_bytes[i],
+                peer, start + param_offsets[i] + first * shard_bytes[i],
+                tuple(("ag", ag_index, r, i) for r in range(first, first + count)))
+            for first, count in runs for i in live
+        ]  # fmt: skip
+
+    ops: list[Op] = [Fork(MAIN, PUT)]
+    for ex in plan.exchanges:
+        if ex.phase != "cross_node":
+            raise ValueError("the window all-gather takes a plan of cross-node exchanges only")
+        sends = entry_runs([layout.node_of(r) for r in ex.send_ranks])
+        recvs = entry_runs([layout.node_of(r) for r in ex.recv_ranks])
+        if sends and credit > seen.get(ex.send_peer, 0):
+            ops.append(Wait(PUT, ex.send_peer, credit - seen.get(ex.send_peer, 0), "ag_credit"))
+            seen[ex.send_peer] = credit
+        ops += puts(sends, ex.send_peer)
+        if recvs and live:
+            ops.append(Wait(PUT, ex.recv_peer, len(recvs) * len(live)))
+    ops.append(Fork(PUT, MAIN))
+    return ops, seen
 
 
 def rs_round_ops(

@@ -11,8 +11,9 @@ transports:
 2. :func:`connect` (once install chose what runs): the memory of each window this group
    needs, allocated as a LOCAL step whose outcome is exchanged before anyone enters the
    collective registration (one rank out of memory no longer leaves its peers waiting
-   inside it); the registrations; for TIDE-RS phase 2 its two communicators (``data``,
-   ``credit``) and its ring window. Any failure aborts every communicator made and frees
+   inside it); the registrations; for TIDE-AG in place its credit communicator
+   (``ag_credit``); for TIDE-RS phase 2 its two communicators (``data``, ``credit``) and
+   its ring window. Any failure aborts every communicator made and frees
    every window, and comes back as a reason: ``install`` falls back under ``auto`` and
    raises under an explicit option.
 
@@ -40,7 +41,8 @@ logger = logging.getLogger(__name__)
 
 STANDIN_ENV = "TIDE_RMA_STANDIN"
 NOT_NCCL = "needs CUDA parameters and an NCCL process group"
-COMMS = ("slots", "data", "credit")  # TIDE-AG + TIDE-RS phase 1; phase 2's puts; its credits
+# TIDE-AG + TIDE-RS phase 1; phase 2's puts; its credits; the in-place all-gather's credits
+COMMS = ("slots", "data", "credit", "ag_credit")
 # Test hook: group ranks whose window allocation fails (install's allocation step).
 FAIL_ALLOCATION_ON: set[int] = set()
 
@@ -92,6 +94,7 @@ class Probe:
     api: OneSidedApi | None
     reason: str | None
     slots_comm: object = None
+    ag_credit_comm: object = None  # made by ``connect(ag_credit=True)``
     ids: dict[str, bytes] = field(default_factory=dict)
     made: list = field(default_factory=list)
 
@@ -106,7 +109,7 @@ class Probe:
             except Exception as e:  # noqa: BLE001 - freeing on a failure path
                 logger.debug("one-sided abort: %s", e)
         self.made.clear()
-        self.slots_comm = None
+        self.slots_comm = self.ag_credit_comm = None
 
 
 class _Soft:
@@ -187,12 +190,13 @@ def probe(
 
 def connect(
     steps: SetupSteps, scope: str, group: dist.ProcessGroup, device: torch.device,
-    found: Probe, slots_bytes: int, ring_bytes: int,
+    found: Probe, slots_bytes: int, ring_bytes: int, ag_credit: bool = False,
 ) -> tuple[object | None, tuple | None, str | None]:  # fmt: skip
     """Step 2 of the module docstring: ``(slots window or None, (data comm, credit comm,
     ring window) or None, None)`` on success, ``(None, None, why)`` on any failure (every
     communicator of ``found`` then aborted). ``slots_bytes`` / ``ring_bytes`` 0: that
-    window is not needed."""
+    window is not needed. ``ag_credit``: also make the in-place all-gather's credit
+    communicator (``found.ag_credit_comm``)."""
     from . import transport
 
     peers = list(transport.group_global_ranks(group))
@@ -228,6 +232,16 @@ def connect(
         slots_window, failure = window(comm, slots_bytes, "window")
         if failure is not None:
             return fail(f"window {failure}")
+        if ag_credit:
+            made, failure = soft.attempt(
+                "one-sided ag_credit communicator",
+                lambda: found.api.create(found.ids["ag_credit"], rank, size, device),
+            )  # fmt: skip
+            if made is not None:
+                found.made.append(made)
+                found.ag_credit_comm = made
+            if failure is not None:
+                return fail(f"TIDE-AG in-place credit communicator: {failure}")
     ring = None
     if ring_bytes:
         comms = []

@@ -22,6 +22,18 @@ Buffers: the window is owned by :class:`WindowSlots` (one per process group and 
 shared by its FSDP groups; the communicator frees it at ``comm.remove``). With the poison
 test hook set (``poison.set_poison``) every half is filled with it after its last read, so a
 read of stale bytes shows.
+
+In place (one rank per node, :class:`InPlace`): TIDE-AG points each parameter's unsharded
+storage at a range of the window's arena before the all-gather (``bind_in_place``: the
+storage object's data pointer is swapped, so every view of it, autograd's saved ones
+included, follows, as with FSDP2's ``resize_``), the own shards are cast there by
+``tide_all_gather`` and the peers' shards are put there: no pack, no placement copy. FSDP2's
+reshard (``FSDPParam.free_unsharded_param``, patched by ``fsdp_patch``) calls
+:meth:`WindowTransport.release`: the pointer is swapped back, the range freed, and a credit
+sent on the ``ag_credit`` communicator to every rank that writes into this one, on the
+``tide_credit`` stream after the reshard point of the caller's stream. An all-gather that
+finds no free range takes the placement path (logged once per group). With the poison hook
+set, a released range is filled with it before the credit goes out.
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ import torch.distributed as dist
 from .. import kernels, streams, watchdog
 from ..plan import GroupPlan, RSRound, RSSegment, RSSlice, WorldLayout, packed_entry
 from ..poison import poison_value
+from ..window_arena import WindowArena, aligned
 from ..window_rounds import (
     MAIN,
     PLACE,
@@ -50,13 +63,14 @@ from ..window_rounds import (
     Signal,
     Wait,
     WindowLayout,
+    ag_in_place_ops,
     ag_round_ops,
     rs_round_ops,
 )
 from . import global_rank
 from .copy_engine import _try_batch, cast_into_entry
 
-__all__ = ["WindowCounters", "WindowSlots", "WindowTransport"]
+__all__ = ["InPlace", "WindowCounters", "WindowSlots", "WindowTransport", "swap_missing_reason"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +89,9 @@ class WindowCounters:
     placed_copies: int = 0
     packed_slices: int = 0
     all_gathers: int = 0
+    in_place_all_gathers: int = 0  # of all_gathers, delivered straight into parameter storage
+    arena_full: int = 0  # all-gathers that found no free arena range (placement path)
+    credits: int = 0  # ag_credit signals sent
     rs_rounds: int = 0
 
 
@@ -96,16 +113,59 @@ class WindowSlots:
     last_ag_ops: list = field(default_factory=list)  # the last all-gather's ops (schedule dumps)
 
 
+def swap_missing_reason() -> str | None:
+    """Why this torch cannot point a storage at window memory (None: it can)."""
+    missing = [name for owner, name in ((torch.UntypedStorage, "_swap_data_ptr_"),
+                                         (torch._C, "_construct_storage_from_data_pointer"))
+               if not hasattr(owner, name)]  # fmt: skip
+    if missing:
+        return f"torch {torch.__version__} lacks {', '.join(missing)}"
+    return None
+
+
+@dataclass
+class InPlace:
+    """TIDE-AG in place on a window's arena (module docstring): the host allocator, the
+    ``ag_credit`` communicator (same ranks as the window's), the group ranks that put into
+    this rank (fixed by the first all-gather: every group of the window has the same
+    exchanges), and the credits waited for per peer."""
+
+    arena: WindowArena
+    credit_comm: object  # nccl_rma.RmaComm | rma_standin.StandinRma
+    writers: tuple[int, ...] | None = None
+    credits_seen: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Binding:
+    """One in-place all-gather's arena range and the parameters pointed at it: ``params``
+    id -> (FSDPParam, the storage holding the parameter's own empty memory meanwhile)."""
+
+    start: int
+    nbytes: int
+    fqn: str
+    params: dict = field(default_factory=dict)
+
+
 class WindowTransport:
     """TIDE-AG (``gather``) and TIDE-RS's node-local rounds (``reduce_rows``) on a
     :class:`WindowSlots`. The plan is cross-node only (``build_group_plan(...,
-    pull_local=True)``): the node-local fan-out is the window's own."""
+    pull_local=True)``): the node-local fan-out is the window's own. With ``in_place``
+    (one rank per node) all-gathers go straight into the parameters' storage."""
 
     name = "nccl_windows"
-    writes_own_shard = True  # the own shard is packed and placed like every other entry
 
-    def __init__(self, slots: WindowSlots, pacing: int) -> None:
-        self.slots, self.pacing = slots, pacing
+    def __init__(self, slots: WindowSlots, pacing: int, in_place: InPlace | None = None) -> None:
+        self.slots, self.pacing, self.in_place = slots, pacing, in_place
+        self._pending: tuple | None = None  # the bound all-gather ``gather`` runs next
+        self._bindings: dict[int, _Binding] = {}  # id(FSDPParam) -> its range
+        self._full_logged: set[str] = set()
+
+    @property
+    def writes_own_shard(self) -> bool:
+        """Placement path: the own shard is packed and placed like every other entry; in
+        place, ``tide_all_gather`` casts it into the parameter's (arena) storage."""
+        return self._pending is None
 
     @property
     def counters(self) -> WindowCounters:
@@ -123,6 +183,127 @@ class WindowTransport:
         wl = self.slots.layout
         return wl.rs_area_bytes
 
+    # ------------------------------------------------------------ TIDE-AG in place
+
+    def bind_in_place(self, plan: GroupPlan, fsdp_params: list, outputs: list[torch.Tensor],
+                      fqn: str) -> bool:  # fmt: skip
+        """Point ``outputs`` (the FSDPParams' ``all_gather_outputs[0]``, not allocated yet or
+        allocated once by FSDP2's first ``init_all_gather_outputs``) at a free arena range for
+        the next :meth:`gather`; False (nothing changed) when this group does not go in place
+        or no range is free. Called on TIDE's stream, which then waits for this rank's last
+        use of the range."""
+        ip = self.in_place
+        if ip is None or not outputs or plan.layout.local_world_size != 1 or not plan.exchanges:
+            return False
+        if any(type(o) is not torch.Tensor or getattr(fp, "_unsharded_inner_tensors", None)
+               for fp, o in zip(fsdp_params, outputs)):  # fmt: skip
+            return False
+        sizes = [o.numel() * o.element_size() for o in outputs]
+        offsets, total = [], 0
+        for n in sizes:
+            offsets.append(total)
+            total += aligned(n)
+        taken = ip.arena.take(total)
+        if taken is None:
+            self.slots.counters.arena_full += 1
+            if fqn not in self._full_logged:
+                self._full_logged.add(fqn)
+                logger.info(
+                    "TIDE %s: the window arena has no free %d B (%d of %d B held by unsharded "
+                    "groups): this all-gather, and any later one that finds it full, places "
+                    "its shards with copies ([tide] ag_in_place_groups sizes the arena)",
+                    fqn, total, ip.arena.in_use, ip.arena.nbytes,
+                )  # fmt: skip
+            return False
+        writers = tuple(sorted({ex.recv_peer for ex in plan.exchanges}))
+        if ip.writers is None:
+            ip.writers = writers
+        elif ip.writers != writers:
+            raise AssertionError(f"TIDE {fqn}: writers {writers} differ from the window's "
+                                 f"{ip.writers}")  # fmt: skip
+        device = outputs[0].device
+        if device.type == "cuda":
+            current = torch.cuda.current_stream(device)
+            for event in taken.events:
+                current.wait_event(event)
+        base = self.slots.window.tensor.data_ptr() + taken.start
+        binding = _Binding(taken.start, total, fqn)
+        for fp, out, off, n in zip(fsdp_params, outputs, offsets, sizes):
+            storage = out.untyped_storage()
+            if storage.nbytes():
+                storage.resize_(0)  # FSDP2's first init_all_gather_outputs allocated it
+            held = torch._C._construct_storage_from_data_pointer(base + off, device, n)
+            storage._swap_data_ptr_(held)  # ``held`` now holds the parameter's empty memory
+            binding.params[id(fp)] = (fp, held)
+            self._bindings[id(fp)] = binding
+        from .. import fsdp_patch
+
+        for fp in fsdp_params:
+            fsdp_patch.hold_unsharded(fp, self)
+        world = plan.layout.world_size
+        self._pending = (plan, tuple(offsets), tuple(n // world for n in sizes), taken)
+        return True
+
+    def release(self, fsdp_param) -> None:
+        """FSDP2 frees ``fsdp_param``'s unsharded storage (its reshard; on the stream current
+        there): point it back at its own empty memory; once every parameter of the range is
+        back, free the range and credit every writer (module docstring)."""
+        binding = self._bindings.pop(id(fsdp_param))
+        _, held = binding.params.pop(id(fsdp_param))
+        fsdp_param.all_gather_outputs[0].untyped_storage()._swap_data_ptr_(held)
+        if binding.params:
+            return
+        ip = self.in_place
+        assert ip is not None and ip.writers is not None
+        window = self.slots.window.tensor
+        if poison_value() is not None:  # 0xFF bytes: NaN in bf16, fp16 and fp32 alike
+            window.narrow(0, binding.start, binding.nbytes).fill_(0xFF)
+        if window.device.type == "cuda":
+            current = torch.cuda.current_stream(window.device)
+            event = current.record_event()
+            ip.arena.give(binding.start, binding.nbytes, event, current.stream_id)
+            credit_stream = streams.stream("tide_credit", window.device)
+            credit_stream.wait_event(event)
+        else:
+            ip.arena.give(binding.start, binding.nbytes)
+            credit_stream = None
+        for peer in ip.writers:
+            ip.credit_comm.signal(peer, credit_stream)
+        self.slots.counters.credits += len(ip.writers)
+
+    def detach_all(self) -> None:
+        """Before the window is freed (``comm.remove``): every parameter still pointed at
+        the arena gets its bytes back in memory of its own (nothing lost)."""
+        from .. import fsdp_patch
+
+        if self._bindings and self.slots.window.tensor.device.type == "cuda":
+            torch.cuda.synchronize(self.slots.window.tensor.device)  # the puts have landed
+        for key, binding in list(self._bindings.items()):
+            fp, held = binding.params.pop(key)
+            del self._bindings[key]
+            fsdp_patch.drop_unsharded(fp)
+            storage = fp.all_gather_outputs[0].untyped_storage()
+            own = torch.empty(storage.nbytes(), dtype=torch.uint8, device=storage.device)
+            own.copy_(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage))
+            storage._swap_data_ptr_(held)
+            storage._swap_data_ptr_(own.untyped_storage())
+        if self.slots.window.tensor.device.type == "cuda":
+            torch.cuda.synchronize(self.slots.window.tensor.device)  # before the window goes
+
+    def _gather_in_place(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        plan, offsets, shard_bytes, taken = self._pending
+        self._pending = None
+        slots, ip = self.slots, self.in_place
+        ops, ip.credits_seen = ag_in_place_ops(
+            plan, offsets, shard_bytes, taken.start, taken.credit, ip.credits_seen,
+            slots.counters.in_place_all_gathers,
+        )  # fmt: skip
+        slots.counters.all_gathers += 1
+        slots.counters.in_place_all_gathers += 1
+        run = _Run(slots, group, device, "TIDE-AG", ip.credit_comm)
+        run.execute(ops)
+        slots.last_ag_ops = ops
+
     # ------------------------------------------------------------ TIDE-AG
 
     def gather(
@@ -133,6 +314,9 @@ class WindowTransport:
         group: dist.ProcessGroup,
     ) -> dist.Work | None:
         slots = self.slots
+        if self._pending is not None:
+            self._gather_in_place(group, outputs[0].device)
+            return None
         packing = packed_entry(plan.params, [o.element_size() for o in outputs])
         ops = ag_round_ops(slots.layout, plan, packing, slots.ag_index, slots.round_index,
                            self.pacing)  # fmt: skip
@@ -182,9 +366,11 @@ class _Run:
     """Executes one round's ops (see the module docstring) for :class:`WindowTransport`."""
 
     def __init__(
-        self, slots: WindowSlots, group: dist.ProcessGroup, device: torch.device, what: str
-    ) -> None:
+        self, slots: WindowSlots, group: dist.ProcessGroup, device: torch.device, what: str,
+        credit_comm: object = None,
+    ) -> None:  # fmt: skip
         self.slots, self.group, self.device, self.what = slots, group, device, what
+        self.comms = {"slots": slots.comm, "ag_credit": credit_comm}
         self.node = group.rank() // slots.layout.local_world_size
         self.cuda = device.type == "cuda"
         self.buf = slots.window.tensor
@@ -227,15 +413,16 @@ class _Run:
             if op.peer // slots.layout.local_world_size != self.node:
                 counters.cross_node_put_bytes += op.nbytes
         elif isinstance(op, Signal):
-            slots.comm.signal(op.peer, self._stream_arg(op.stream))
+            self.comms[op.comm].signal(op.peer, self._stream_arg(op.stream))
             counters.signals += 1
         elif isinstance(op, Wait):
-            slots.comm.wait_signal(op.peer, op.count, self._stream_arg(op.stream))
+            self.comms[op.comm].wait_signal(op.peer, op.count, self._stream_arg(op.stream))
             counters.waits += 1
             if self.cuda:
                 tier = ("node-local" if op.peer // slots.layout.local_world_size == self.node
                         else "cross-node")  # fmt: skip
-                watchdog.watch_stream(f"{self.what} {tier} window wait", slots.group_name,
+                kind = "credit" if op.comm == "ag_credit" else "window"
+                watchdog.watch_stream(f"{self.what} {tier} {kind} wait", slots.group_name,
                                       (global_rank(self.group, op.peer),), self.device)  # fmt: skip
         elif isinstance(op, Place):
             self._place(op)
