@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from . import fsdp_internals, fsdp_patch, kernels, topology, window_setup
+from . import fsdp_internals, fsdp_patch, kernels, topology, window_arena, window_setup
 from .all_gather import TideGroupState
 from .fsdp_internals import fsdp_param_groups
 from .memory_plan import rs_staging_bytes, slot_sizes
@@ -508,10 +508,10 @@ def _connect_windows(
         wl = None
         in_place_why = _in_place_missing(layout, users, options)
         if in_place_why is None:
-            arena_bytes = sum(sorted(
+            arena_bytes = window_arena.arena_bytes(
                 (fsdp_internals.unsharded_bytes(m.pg, layout.world_size, ARENA_ALIGN)
-                 for m in users), reverse=True,
-            )[: options.ag_in_place_groups])  # fmt: skip
+                 for m in users), options.ag_in_place_groups,
+            )  # fmt: skip
         if why is None:
             if users:
                 wl = window_layout(

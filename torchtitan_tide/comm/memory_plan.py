@@ -51,7 +51,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .plan import WorldLayout
-from .window_arena import aligned
+from .window_arena import aligned, arena_bytes
 from .window_rounds import ring_layout, window_layout
 
 __all__ = [
@@ -307,13 +307,10 @@ def plan_memory(
         ValueError: naming the argument that is out of range.
     """
     layout = WorldLayout(world, local_world_size)  # validates world and local_world_size
-    for name, value in (("rs_rows", rs_rows), ("rs_inflight", rs_inflight)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} = {value!r} must be an integer >= 1")
-    if isinstance(ag_in_place_groups, bool) or not isinstance(ag_in_place_groups, int) or (
-        ag_in_place_groups < 0
-    ):
-        raise ValueError(f"ag_in_place_groups = {ag_in_place_groups!r} must be an integer >= 0")
+    for name, value, least in (("rs_rows", rs_rows, 1), ("rs_inflight", rs_inflight, 1),
+                               ("ag_in_place_groups", ag_in_place_groups, 0)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} = {value!r} must be an integer >= {least}")
     if cross_node not in ("p2p", "one_sided"):
         raise ValueError(f"cross_node = {cross_node!r}: choose 'p2p' or 'one_sided'")
     groups = [g for g in groups if g.param_shapes]
@@ -453,9 +450,9 @@ def _tide_buffers(
         rs_area = rs_staging_bytes(local, [s * dtypes.grad for s in shard],
                                    [s * dtypes.reduce_bytes for s in shard], rs_rows)  # fmt: skip
         if local == 1 and ag_in_place_groups:  # as install: fsdp_internals.unsharded_bytes
-            arena = sum(sorted((sum(aligned(padded_shard_numel(shape, world) * world
-                                            * dtypes.param_bytes) for shape in g.param_shapes)
-                                for g in groups), reverse=True)[:ag_in_place_groups])  # fmt: skip
+            arena = arena_bytes((sum(aligned(padded_shard_numel(shape, world) * world
+                                             * dtypes.param_bytes) for shape in g.param_shapes)
+                                 for g in groups), ag_in_place_groups)  # fmt: skip
         ag_slots = window_layout(nodes, local, entry, 0, slot_reuse, arena).total_bytes
         rs_staging = (window_layout(nodes, local, entry, rs_area, slot_reuse, arena).total_bytes
                       - ag_slots)  # fmt: skip

@@ -21,9 +21,10 @@ Decisions: docs/2026-12-04-windows.md.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["ARENA_ALIGN", "FreeRange", "Taken", "WindowArena", "aligned"]
+__all__ = ["ARENA_ALIGN", "FreeRange", "Taken", "WindowArena", "aligned", "arena_bytes"]
 
 ARENA_ALIGN = 256  # bytes: every range (and every parameter inside one) starts on this
 
@@ -31,6 +32,13 @@ ARENA_ALIGN = 256  # bytes: every range (and every parameter inside one) starts 
 def aligned(nbytes: int) -> int:
     """``nbytes`` rounded up to :data:`ARENA_ALIGN`."""
     return -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
+
+
+def arena_bytes(group_bytes: Iterable[int], groups: int) -> int:
+    """The arena of a window: room for the ``groups`` largest of the window's groups
+    (``group_bytes``: each group's unsharded bytes, every parameter :func:`aligned`). The
+    one sizing rule of ``install`` and ``memory_plan``."""
+    return sum(sorted(group_bytes, reverse=True)[:groups])
 
 
 @dataclass(frozen=True)

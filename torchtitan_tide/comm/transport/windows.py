@@ -143,7 +143,6 @@ class _Binding:
 
     start: int
     nbytes: int
-    fqn: str
     params: dict = field(default_factory=dict)
 
 
@@ -227,7 +226,7 @@ class WindowTransport:
             for event in taken.events:
                 current.wait_event(event)
         base = self.slots.window.tensor.data_ptr() + taken.start
-        binding = _Binding(taken.start, total, fqn)
+        binding = _Binding(taken.start, total)
         for fp, out, off, n in zip(fsdp_params, outputs, offsets, sizes):
             storage = out.untyped_storage()
             if storage.nbytes():
