@@ -59,7 +59,10 @@
 # STEP_STEPS (12), STEP_ROUNDS (1), STEP_MODES / MODES (fsdp2,symm_mem,tide), COLL_ITERS (20), INTERF_REPS (6),
 # GPU_TESTS (tests: the paths the tests stage gives pytest), WORLD1_TRACE_CONFIGS, WORLD1_TRACE_ARGS (e.g. "--kernels 25"), WORLD1_STEP_CONFIGS,
 # WORLD1_FSDP_STEP_CONFIGS (none: bench_step --fsdp-at-world-size-1 per config, ~1 min llama,
-# ~3 min wan22), WORLD1_ITERS (3), WORLD1_STEPS (8), WORLD1_WARMUP (4).
+# ~3 min wan22), WORLD1_ITERS (3), WORLD1_STEPS (8), WORLD1_WARMUP (4),
+# EMULATION_PARTS / PREFLIGHT_PARTS ("nodes one_node": the halves of those stages to run),
+# NXL_TESTS / NXL_LAYOUTS / NXL_BENCH_ARGS (see nxl), NXL_WIRE_ERROR (1: rs_wire_error after
+# the nxl bench; 0 skips it).
 # $LOGS/clocks.csv: nvidia-smi's SM clock, power, throttle reasons, utilization and
 # temperature at 1 s (summary line).
 # Results (JSON/MD/PNG) land in bench/results/; $OUT gets results.tgz (this run's result
@@ -106,6 +109,8 @@ declare -a table
 note() { table+=("$1"); echo "$1"; }
 note "$commit_line"
 has() { [[ " $STAGES " == *" $1 "* ]]; }
+# part STAGE_PARTS NAME: is half NAME of a two-half stage asked for (default: both halves)?
+part() { [[ " ${!1:-nodes one_node} " == *" $2 "* ]]; }
 # run NAME TIMEOUT_S CMD...: log to $LOGS/NAME.log, note the exit code and wall time
 run() {
   local name=$1 limit=$2; shift 2
@@ -147,10 +152,14 @@ bundled_nccl_back() {
 if has emulation; then
   run nccl_bundled 60 python3 scripts/gpu/nccl_version.py
   note "  $(nccl_line "$LOGS/nccl_bundled.log")"
-  run emulation_nodes 300 python3 -m pytest -q \
-    -m "gpu and emulation and not one_node and not preflight and not nxl" tests -p no:cacheprovider
-  note "  $(tail -1 "$LOGS/emulation_nodes.log")"
-  if [[ -d .nccl ]]; then
+  if part EMULATION_PARTS nodes; then
+    run emulation_nodes 300 python3 -m pytest -q \
+      -m "gpu and emulation and not one_node and not preflight and not nxl" tests -p no:cacheprovider
+    note "  $(tail -1 "$LOGS/emulation_nodes.log")"
+  fi
+  if ! part EMULATION_PARTS one_node; then
+    :
+  elif [[ -d .nccl ]]; then
     # The newer NCCL only for this sub-stage: torch 2.11's symm_mem mode needs the bundled one.
     run emulation_one_node 240 bash scripts/gpu/nccl_swap.sh .nccl -- bash -c \
       'python3 scripts/gpu/nccl_version.py && python3 -m pytest -q -m "gpu and emulation and one_node and not preflight and not nxl" tests -p no:cacheprovider'
@@ -164,10 +173,14 @@ fi
 
 if has preflight; then
   [[ -f "$LOGS/nccl_bundled.log" ]] || run nccl_bundled 60 python3 scripts/gpu/nccl_version.py
-  run preflight_nodes "${PREFLIGHT_S:-240}" python3 -m pytest -q -rA -m "gpu and preflight and not one_node" \
-    tests/test_preflight_gpu.py -p no:cacheprovider
-  note "  $(tail -1 "$LOGS/preflight_nodes.log")"
-  if [[ -d .nccl ]]; then
+  if part PREFLIGHT_PARTS nodes; then
+    run preflight_nodes "${PREFLIGHT_S:-240}" python3 -m pytest -q -rA -m "gpu and preflight and not one_node" \
+      tests/test_preflight_gpu.py -p no:cacheprovider
+    note "  $(tail -1 "$LOGS/preflight_nodes.log")"
+  fi
+  if ! part PREFLIGHT_PARTS one_node; then
+    :
+  elif [[ -d .nccl ]]; then
     run preflight_one_node "${PREFLIGHT_S:-240}" bash scripts/gpu/nccl_swap.sh .nccl -- bash -c \
       'python3 scripts/gpu/nccl_version.py && python3 -m pytest -q -rA -m "gpu and preflight and one_node" tests/test_preflight_gpu.py -p no:cacheprovider'
     note "  $(nccl_line "$LOGS/preflight_one_node.log")"
@@ -213,8 +226,10 @@ if has nxl; then
              --variant-timeout "${NXL_VARIANT_S:-120}" \
              ${NXL_BENCH_ARGS:---wires float32 --warmup 1 --steps 2} || rc=1
          done
-         python3 scripts/bench/rs_wire_error.py --device cuda --trials 1 --out-dir bench/results \
-           ${NXL_WIRE_ARGS:-} || rc=1
+         if [[ "${NXL_WIRE_ERROR:-1}" == 1 ]]; then
+           python3 scripts/bench/rs_wire_error.py --device cuda --trials 1 \
+             --out-dir bench/results ${NXL_WIRE_ARGS:-} || rc=1
+         fi
          exit $rc'
       while read -r line; do note "  $line"; done < <(grep -o 'results: .*' "$LOGS/nxl_bench.log")
     fi
