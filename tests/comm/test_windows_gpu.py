@@ -4,7 +4,8 @@ scripts/gpu/check.sh's ``nxl`` stage swaps it in), TIDE told the layout
 (``local_world_size = L``): both tiers run TIDE's own code on NCCL windows, node-local
 puts and cross-node puts by copy engine (docs/2026-12-04-windows.md). At one rank per node
 (3x1, 4x1) the all-gather goes in place: every shard put straight into the parameters'
-storage on the window's arena, asserted from the transport's counters.
+storage on the window's arena, asserted from the transport's counters; on a torch without
+the storage data-pointer swap (2.11) install logs why and they place with copies.
 
 Each run: TorchTitan's own parallelize functions build a Llama-shaped model and the Qwen3
 MoE model with bf16 parameters and fp32 reduce (``_layouts.run_layout``); a stock FSDP2
@@ -33,6 +34,7 @@ from _emulation import spawn_emulated
 from _layouts import Layout, run_layout
 
 from torchtitan_tide.comm.transport.nccl_rma import multi_rank_gpu_missing_reason
+from torchtitan_tide.comm.transport.windows import swap_missing_reason
 
 pytestmark = [
     pytest.mark.gpu,
@@ -80,7 +82,13 @@ def _parity(rank: int, world: int, runs: list[tuple[str, list[Layout]]]) -> None
             assert first and any(shape in m for m in first), f"{label}: {log}"
             counters = [t.counters for t in rec.transports.values()]
             in_place = sum(c.in_place_all_gathers for c in counters)
-            if layout.tide.get("ag_in_place_groups"):
+            no_swap = swap_missing_reason()
+            if layout.tide.get("ag_in_place_groups") and no_swap is not None:
+                # this torch cannot point a storage at window memory: install says so and
+                # every all-gather places (torch 2.11 lacks UntypedStorage._swap_data_ptr_)
+                assert in_place == 0, (label, in_place)
+                assert rank != 0 or f"TIDE-AG placement copies: {no_swap}" in log, log
+            elif layout.tide.get("ag_in_place_groups"):
                 # one rank per node: every shard put straight into parameter storage on the
                 # window's arena (no placement copy unless the arena ran full)
                 full = sum(c.arena_full for c in counters)
