@@ -13,7 +13,13 @@ Variants (one spawn each, the same Llama-shaped bf16 model and data): ``fsdp2`` 
 all-gather / reduce-scatter kernels), ``tide_p2p`` (``cross_node_transport = "p2p"``:
 TIDE over NCCL send/recv, node-local too where ranks share the GPU), ``tide_one_sided``
 (NCCL windows: put/signal on both tiers, TIDE-RS phase 2 on its ring), each with the fp32
-and the bf16 TIDE-RS wire. Per step (median of ``--steps`` profiled steps after warm-up),
+and the bf16 TIDE-RS wire, TIDE with its default options. At one rank per node
+(``--layout Nx1``) ``--in-place-compare`` adds the one-sided fp32 variant twice with
+``[tide] ag_in_place_groups`` set: ``tide_one_sided_in_place_fp32_wire`` (4: TIDE-AG puts
+every shard straight into the parameters' storage on the window's arena) and
+``tide_one_sided_placement_fp32_wire`` (0: packed shards placed with copies). The tide rows
+count the all-gathers that ran in place and the placement copies the transport issued. Per
+step (median of ``--steps`` profiled steps after warm-up),
 per rank: NCCL kernels launched, their kernel-ms and SM-ms (kernel time x min(1, CTAs /
 SMs)), copies and the bytes they moved (profiled memcpy events: every copy is one read and
 one write of HBM here), and the bytes put on the cross-node wire (TIDE: counted by its
@@ -119,6 +125,22 @@ def _fsdp2_wire_bytes(model: nn.Module, world: int, nodes: int) -> int:
         gathers = 1 if fqn in ("", "<root>") else 2
         total += (world - 1) * shard_numel * (gathers * 2 + 4)
     return total * nodes // world if nodes > 1 else 0
+
+
+def _in_place_counts(model: nn.Module) -> dict[str, int]:
+    """Running totals of this rank's window transports: all-gathers delivered in place into
+    parameter storage and placement copies (empty off the window transport)."""
+    from torchtitan_tide.comm import fsdp_patch
+
+    seen, totals = set(), {}
+    for _, group in fsdp_patch.fsdp_param_groups(model):
+        counters = getattr(group._tide_ag_state.transport, "counters", None)
+        if not hasattr(counters, "in_place_all_gathers") or id(counters) in seen:
+            continue
+        seen.add(id(counters))
+        for key in ("in_place_all_gathers", "placed_copies"):
+            totals[key] = totals.get(key, 0) + getattr(counters, key)
+    return totals
 
 
 def _op_line(op) -> str:
@@ -232,6 +254,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace, variant: dict, resu
         options = {"local_world_size": lws, "cross_node_transport": variant["transport"]}
         if variant["wire"] != "float32":
             options["rs_wire_dtype"] = variant["wire"]
+        if "ag_in_place_groups" in variant:
+            options["ag_in_place_groups"] = variant["ag_in_place_groups"]
         comm.apply(model, "tide", **options)
         _progress(rank, variant, "TIDE installed")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
@@ -277,6 +301,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, variant: dict, resu
             "wire_bytes": (_sent_bytes(model) - sent if variant["mode"] == "tide"
                            else _fsdp2_wire_bytes(model, world, nodes)),
             "nccl_kernel_names": sorted({e["name"].split("(")[0] for e in nccl}),
+            **(_in_place_counts(model) if variant["mode"] == "tide" else {}),
         })  # fmt: skip
     schedule = _last_ag_ops(model) if variant["mode"] == "tide" else []
     if variant["mode"] == "tide":
@@ -287,6 +312,9 @@ def _worker(rank: int, world: int, args: argparse.Namespace, variant: dict, resu
         for key in ("nccl_kernels", "nccl_kernel_ms", "nccl_sm_ms", "kernels", "copies",
                     "copy_bytes", "wire_bytes"):  # fmt: skip
             row[key] = statistics.median(s[key] for s in per_step)
+        for key in ("in_place_all_gathers", "placed_copies"):  # running totals: the last step's
+            if key in per_step[-1]:
+                row[key] = per_step[-1][key] - (per_step[-2][key] if len(per_step) > 1 else 0)
         row["wire_mib"] = row["wire_bytes"] / 2**20
         row["copy_mib"] = row["copy_bytes"] / 2**20
         row["hbm_mib"] = 2 * row["copy_mib"]  # a copy reads and writes HBM (one GPU)
@@ -307,7 +335,7 @@ def _layout(text: str) -> tuple[int, int]:
     return nodes, local
 
 
-def _variants(emulation: str, wires: list[str]) -> list[dict]:
+def _variants(emulation: str, wires: list[str], in_place_compare: bool = False) -> list[dict]:
     out = [{"name": "fsdp2", "mode": "fsdp2", "transport": "-", "wire": "-"}]
     transports = ["p2p"] + (["nccl_one_sided"] if emulation == "one_node" else [])
     for transport in transports:
@@ -315,6 +343,11 @@ def _variants(emulation: str, wires: list[str]) -> list[dict]:
             short = "one_sided" if transport == "nccl_one_sided" else transport
             out.append({"name": f"tide_{short}_{'bf16' if wire == 'bfloat16' else 'fp32'}_wire",
                         "mode": "tide", "transport": transport, "wire": wire})  # fmt: skip
+    if in_place_compare and emulation == "one_node":
+        for name, groups in (("in_place", 4), ("placement", 0)):
+            out.append({"name": f"tide_one_sided_{name}_fp32_wire", "mode": "tide",
+                        "transport": "nccl_one_sided", "wire": "float32",
+                        "ag_in_place_groups": groups})  # fmt: skip
     return out
 
 
@@ -337,6 +370,9 @@ def main() -> int:
     parser.add_argument("--variant-timeout", type=float, default=300.0,
                         help="seconds per variant; past it its processes are killed, the "
                              "error recorded and the next variant runs")  # fmt: skip
+    parser.add_argument("--in-place-compare", action="store_true",
+                        help="L = 1, one_node: add the one-sided fp32 variant with TIDE-AG in "
+                             "place (ag_in_place_groups = 4) and without (0)")  # fmt: skip
     parser.add_argument(
         "--variants", default="", help="only these variants (comma-separated names); default all"
     )
@@ -345,12 +381,15 @@ def main() -> int:
     args.ranks = args.nodes * args.local
     if args.local > 1 and args.emulation != "one_node":
         parser.error("--layout with L > 1 needs --emulation one_node (ranks share the GPU)")
+    if args.in_place_compare and (args.local != 1 or args.emulation != "one_node"):
+        parser.error("--in-place-compare: TIDE-AG in place runs at one rank per node on the "
+                     "windows: --layout Nx1 --emulation one_node")  # fmt: skip
     from torchtitan_tide.comm.options import TideOptions
 
     wires = [w for w in args.wires.split(",") if w]
     if not hasattr(TideOptions(), "rs_wire_dtype"):
         wires = ["float32"]
-    variants = _variants(args.emulation, wires)
+    variants = _variants(args.emulation, wires, args.in_place_compare)
     if args.variants:
         wanted = [w for w in args.variants.split(",") if w]
         unknown = sorted(set(wanted) - {v["name"] for v in variants})
@@ -381,6 +420,8 @@ def main() -> int:
         ["variant", "variant"], ["nccl_kernels", "NCCL kernels / step"],
         ["nccl_kernel_ms", "NCCL kernel ms"], ["nccl_sm_ms", "NCCL SM-ms"],
         ["copies", "copies / step"], ["hbm_mib", "copy HBM MiB / rank / step"],
+        ["in_place_all_gathers", "AGs in place / step"],
+        ["placed_copies", "placement copies / step"],
         ["wire_mib", "cross-node MiB / rank / step"], ["error", "error"],
     ]  # fmt: skip
     args.layout = shape

@@ -39,3 +39,21 @@ def test_timeline_png_is_written(tmp_path):
     path = tmp_path / "timeline.png"
     assert bench._timeline_png(path, lanes, "test")
     assert path.stat().st_size > 1000
+
+
+def test_in_place_compare_adds_both_arena_settings_at_one_rank_per_node():
+    names = {v["name"]: v for v in bench._variants("one_node", ["float32"], in_place_compare=True)}
+    assert names["tide_one_sided_in_place_fp32_wire"]["ag_in_place_groups"] == 4
+    assert names["tide_one_sided_placement_fp32_wire"]["ag_in_place_groups"] == 0
+    assert all("ag_in_place_groups" not in v for v in bench._variants("one_node", ["float32"]))
+    # emulated nodes over sockets have no windows: nothing to compare
+    assert not any("in_place" in v["name"] for v in bench._variants("nodes", ["float32"], True))
+
+
+def test_in_place_compare_needs_one_rank_per_node(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench_cross_node.py", "--layout", "2x2",
+                                      "--in-place-compare"])  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main()
+    assert exit_info.value.code == 2
+    assert "--in-place-compare: TIDE-AG in place runs at one rank per node" in capsys.readouterr().err

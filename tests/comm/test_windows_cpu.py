@@ -49,8 +49,12 @@ def _check_windows(expect_ring: bool):
 
 
 def _parity_worker(rank: int, world: int, lws: int, tolerance: float, extra: dict,
-                   expect_full: bool = False) -> None:  # fmt: skip
+                   expect_full: bool = False, swap: str = "native") -> None:  # fmt: skip
+    from torchtitan_tide.comm.transport import storage_swap
+
     os.environ["TIDE_RMA_STANDIN"] = "1"
+    if swap == "ctypes":  # as on torch 2.11, which lacks UntypedStorage._swap_data_ptr_
+        storage_swap._native_available = lambda: False
     records = LogRecords()
     logging.getLogger("torchtitan_tide").addHandler(records)
     logging.getLogger("torchtitan_tide").setLevel(logging.INFO)
@@ -79,6 +83,10 @@ def _parity_worker(rank: int, world: int, lws: int, tolerance: float, extra: dic
         assert (placed > 0) == (full > 0), (placed, full)
         if expect_full:
             assert full > 0, "the arena never ran full"
+        if rank == 0:
+            assert records.grep(f"storage swap: {'ctypes' if swap == 'ctypes' else 'Untyped'}"), (
+                records.messages[:20]
+            )
     elif world > 1:
         assert in_place == 0 and placed > 0, (in_place, placed)
     if lws > 1:
@@ -96,9 +104,9 @@ def _parity_worker(rank: int, world: int, lws: int, tolerance: float, extra: dic
     [(4, 2, {}), (4, 1, {}), (2, 2, {}), (6, 2, {}),
      (4, 2, {"rs_rows": 1, "pacing": 1, "rs_inflight": 1, "rs_wire_dtype": "bfloat16"}),
      (3, 1, {"ag_in_place_groups": 1}), (4, 1, {"ag_in_place_groups": 4}),
-     (2, 1, {"ag_in_place_groups": 4})],
+     (2, 1, {"ag_in_place_groups": 4}), (3, 1, {"ag_in_place_groups": 4, "swap": "ctypes"})],
     ids=["2x2", "4x1", "1x2", "3x2", "2x2-rows1-paced-ring1-bf16wire",
-         "3x1-arena1", "4x1-in-place", "2x1-in-place"],
+         "3x1-arena1", "4x1-in-place", "2x1-in-place", "3x1-in-place-ctypes-swap"],
 )  # fmt: skip
 def test_windows_parity_with_fsdp2(world, lws, extra):
     # two ranks add in one order only; more reduce in another order than gloo; a bf16 wire
@@ -107,7 +115,8 @@ def test_windows_parity_with_fsdp2(world, lws, extra):
     # an arena of one group's size runs full whenever two groups are unsharded at once
     # (prefetch, reshard_after_forward=False): those all-gathers take the placement path
     expect_full = extra.get("ag_in_place_groups") == 1
-    spawn(_parity_worker, world, lws, tolerance, extra, expect_full)
+    options = {k: v for k, v in extra.items() if k != "swap"}
+    spawn(_parity_worker, world, lws, tolerance, options, expect_full, extra.get("swap", "native"))
 
 
 def _allocation_failure(rank: int, world: int) -> None:

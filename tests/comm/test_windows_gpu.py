@@ -4,8 +4,9 @@ scripts/gpu/check.sh's ``nxl`` stage swaps it in), TIDE told the layout
 (``local_world_size = L``): both tiers run TIDE's own code on NCCL windows, node-local
 puts and cross-node puts by copy engine (docs/2026-12-04-windows.md). At one rank per node
 (3x1, 4x1) the all-gather goes in place: every shard put straight into the parameters'
-storage on the window's arena, asserted from the transport's counters; on a torch without
-the storage data-pointer swap (2.11) install logs why and they place with copies.
+storage on the window's arena, asserted from the transport's counters and install's log of
+the storage swap it took (torch 2.11 has no ``UntypedStorage._swap_data_ptr_``: the ctypes
+swap, ``storage_swap``); where neither works install logs why and they place with copies.
 
 Each run: TorchTitan's own parallelize functions build a Llama-shaped model and the Qwen3
 MoE model with bf16 parameters and fp32 reduce (``_layouts.run_layout``); a stock FSDP2
@@ -34,7 +35,7 @@ from _emulation import spawn_emulated
 from _layouts import Layout, run_layout
 
 from torchtitan_tide.comm.transport.nccl_rma import multi_rank_gpu_missing_reason
-from torchtitan_tide.comm.transport.windows import swap_missing_reason
+from torchtitan_tide.comm.transport.storage_swap import swap_backend
 
 pytestmark = [
     pytest.mark.gpu,
@@ -82,15 +83,17 @@ def _parity(rank: int, world: int, runs: list[tuple[str, list[Layout]]]) -> None
             assert first and any(shape in m for m in first), f"{label}: {log}"
             counters = [t.counters for t in rec.transports.values()]
             in_place = sum(c.in_place_all_gathers for c in counters)
-            no_swap = swap_missing_reason()
-            if layout.tide.get("ag_in_place_groups") and no_swap is not None:
+            swap, how = swap_backend(torch.device("cuda", 0))
+            if layout.tide.get("ag_in_place_groups") and swap is None:
                 # this torch cannot point a storage at window memory: install says so and
-                # every all-gather places (torch 2.11 lacks UntypedStorage._swap_data_ptr_)
+                # every all-gather places
                 assert in_place == 0, (label, in_place)
-                assert rank != 0 or f"TIDE-AG placement copies: {no_swap}" in log, log
+                assert rank != 0 or f"TIDE-AG placement copies: {how}" in log, log
             elif layout.tide.get("ag_in_place_groups"):
                 # one rank per node: every shard put straight into parameter storage on the
                 # window's arena (no placement copy unless the arena ran full)
+                assert rank != 0 or f"storage swap: {how}" in log, log
+                print(f"[rank {rank}] {label}: in place, storage swap: {how}", flush=True)
                 full = sum(c.arena_full for c in counters)
                 placed = sum(c.placed_copies for c in counters)
                 assert in_place > 0 and (placed > 0) == (full > 0), (label, in_place, placed, full)

@@ -44,7 +44,8 @@ from .transport import (
 from .transport.copy_engine import CopyEngineTransport, SymmSlots
 from .transport.one_sided import OneSidedCrossNode, rs_ring_bytes
 from .transport.p2p import P2PCrossNode, P2PTransport
-from .transport.windows import InPlace, WindowSlots, WindowTransport, swap_missing_reason
+from .transport.storage_swap import swap_backend, swap_missing_reason
+from .transport.windows import InPlace, WindowSlots, WindowTransport
 from .window_arena import ARENA_ALIGN, WindowArena
 from .window_rounds import window_layout
 
@@ -455,7 +456,9 @@ def _one_sided_refusal(members: list[_Candidate], options: TideOptions, why: str
         )
 
 
-def _in_place_missing(layout, users: list, options: TideOptions) -> str | None:
+def _in_place_missing(
+    layout, users: list, options: TideOptions, device: torch.device
+) -> str | None:
     """Why the windows of this process group place with copies instead of delivering in
     place (None: in place; ``transport/windows.py``)."""
     if not users:
@@ -466,7 +469,7 @@ def _in_place_missing(layout, users: list, options: TideOptions) -> str | None:
         return f"{layout.local_world_size} ranks per node (in place runs at one)"
     if layout.num_nodes < 2:
         return "one node"
-    return swap_missing_reason()
+    return swap_missing_reason(device)
 
 
 def _connect_windows(
@@ -506,7 +509,7 @@ def _connect_windows(
         why = found.reason
         slots_bytes = ring_bytes = arena_bytes = 0
         wl = None
-        in_place_why = _in_place_missing(layout, users, options)
+        in_place_why = _in_place_missing(layout, users, options, c.device)
         if in_place_why is None:
             arena_bytes = window_arena.arena_bytes(
                 (fsdp_internals.unsharded_bytes(m.pg, layout.world_size, ARENA_ALIGN)
@@ -567,7 +570,8 @@ def _connect_windows(
                 4 * reduce_numel, wire, name,
             )  # fmt: skip
         parts = ([f"window {slots_bytes} B (TIDE-AG, TIDE-RS rows)"] if slots_window else []) + (
-            [f"TIDE-AG in place: arena {arena_bytes} B for {options.ag_in_place_groups} groups"]
+            [(f"TIDE-AG in place: arena {arena_bytes} B for {options.ag_in_place_groups} "
+              f"groups, storage swap: {swap_backend(c.device)[1]}")]
             if slots_window and arena_bytes else
             [f"TIDE-AG placement copies: {in_place_why}"] if slots_window else []) + (
             [f"phase-2 ring {ring_bytes} B ({options.rs_inflight} regions)"] if ring else [])

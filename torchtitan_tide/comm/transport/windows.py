@@ -25,7 +25,7 @@ read of stale bytes shows.
 
 In place (one rank per node, :class:`InPlace`): TIDE-AG points each parameter's unsharded
 storage at a range of the window's arena before the all-gather (``bind_in_place``: the
-storage object's data pointer is swapped, so every view of it, autograd's saved ones
+storage object's data pointer is swapped (``storage_swap``), so every view of it, autograd's saved ones
 included, follows, as with FSDP2's ``resize_``), the own shards are cast there by
 ``tide_all_gather`` and the peers' shards are put there: no pack, no placement copy. FSDP2's
 reshard (``FSDPParam.free_unsharded_param``, patched by ``fsdp_patch``) calls
@@ -69,8 +69,9 @@ from ..window_rounds import (
 )
 from . import global_rank
 from .copy_engine import _try_batch, cast_into_entry
+from .storage_swap import swap_storages
 
-__all__ = ["InPlace", "WindowCounters", "WindowSlots", "WindowTransport", "swap_missing_reason"]
+__all__ = ["InPlace", "WindowCounters", "WindowSlots", "WindowTransport"]
 
 logger = logging.getLogger(__name__)
 
@@ -111,16 +112,6 @@ class WindowSlots:
     round_index: int = 0
     counters: WindowCounters = field(default_factory=WindowCounters)
     last_ag_ops: list = field(default_factory=list)  # the last all-gather's ops (schedule dumps)
-
-
-def swap_missing_reason() -> str | None:
-    """Why this torch cannot point a storage at window memory (None: it can)."""
-    missing = [name for owner, name in ((torch.UntypedStorage, "_swap_data_ptr_"),
-                                         (torch._C, "_construct_storage_from_data_pointer"))
-               if not hasattr(owner, name)]  # fmt: skip
-    if missing:
-        return f"torch {torch.__version__} lacks {', '.join(missing)}"
-    return None
 
 
 @dataclass
@@ -232,7 +223,7 @@ class WindowTransport:
             if storage.nbytes():
                 storage.resize_(0)  # FSDP2's first init_all_gather_outputs allocated it
             held = torch._C._construct_storage_from_data_pointer(base + off, device, n)
-            storage._swap_data_ptr_(held)  # ``held`` now holds the parameter's empty memory
+            swap_storages(storage, held)  # ``held`` now holds the parameter's empty memory
             binding.params[id(fp)] = (fp, held)
             self._bindings[id(fp)] = binding
         from .. import fsdp_patch
@@ -249,7 +240,7 @@ class WindowTransport:
         back, free the range and credit every writer (module docstring)."""
         binding = self._bindings.pop(id(fsdp_param))
         _, held = binding.params.pop(id(fsdp_param))
-        fsdp_param.all_gather_outputs[0].untyped_storage()._swap_data_ptr_(held)
+        swap_storages(fsdp_param.all_gather_outputs[0].untyped_storage(), held)
         if binding.params:
             return
         ip = self.in_place
@@ -284,8 +275,8 @@ class WindowTransport:
             storage = fp.all_gather_outputs[0].untyped_storage()
             own = torch.empty(storage.nbytes(), dtype=torch.uint8, device=storage.device)
             own.copy_(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage))
-            storage._swap_data_ptr_(held)
-            storage._swap_data_ptr_(own.untyped_storage())
+            swap_storages(storage, held)
+            swap_storages(storage, own.untyped_storage())
         if self.slots.window.tensor.device.type == "cuda":
             torch.cuda.synchronize(self.slots.window.tensor.device)  # before the window goes
 
