@@ -59,7 +59,7 @@ def test_tide_options_forwarded_only_for_tide():
         "transport": "nccl_p2p", "local_world_size": 1, "pacing": 4,
         "cross_node_transport": "auto", "reduce_scatter": "fsdp2", "rs_ctas": 8, "rs_rows": 2,
         "rs_inflight": 2, "rs_wire_dtype": "float32", "slot_reuse": True,
-        "slot_barrier": "kernel", "ag_in_place_groups": 0, "install_timeout_s": 120,
+        "slot_barrier": "kernel", "ag_in_place_groups": 4, "install_timeout_s": 120,
     }
     assert tide.options_ignored_by_mode() == []
     stock = Tide(comm="fsdp2", ag_transport="nccl_p2p", slot_reuse=False)

@@ -111,8 +111,8 @@ class Tide:
     """NCCL windows at one rank per node: TIDE-AG delivers straight into the parameters'
     unsharded storage, which lives in the window's arena until the reshard; the arena holds
     this many of the largest FSDP groups at once (4 covers root, last block, two in
-    flight). An all-gather that finds it full places with copies (logged). 0 (default until
-    a GPU run has checked the in-place path: docs/2026-12-04-windows.md): always copy."""
+    flight). An all-gather that finds it full places with copies (logged). 0: always copy
+    (docs/2026-12-04-windows.md)."""
 
     install_timeout_s: int = _DEFAULT.install_timeout_s
     """Seconds each step of TIDE's collective set-up at install (node-local process

@@ -258,7 +258,7 @@ def test_cli_reads_tide_section_and_flags_override(capsys, tmp_path):
         "rs_inflight": 3,
         "slot_reuse": True,
         "cross_node": "p2p",
-        "ag_in_place_groups": 0,
+        "ag_in_place_groups": 4,
     }
     assert report["world"]["nodes"] == 2
     assert report["world"]["local_world_size_from"] == "[tide] local_world_size"
@@ -271,7 +271,7 @@ def test_cli_reads_tide_section_and_flags_override(capsys, tmp_path):
         "rs_inflight": 1,
         "slot_reuse": False,
         "cross_node": "one_sided",
-        "ag_in_place_groups": 0,
+        "ag_in_place_groups": 4,
     }
     assert report["world"]["nodes"] == 1
 
@@ -321,14 +321,19 @@ def test_cli_counts_the_in_place_arena(capsys, tmp_path):
     out_json = tmp_path / "plan.json"
     base = ["--config", "debug_model.toml", "--gpus", "4", "--local-world-size", "1",
             "--cross-node", "one_sided", "--json", str(out_json)]  # fmt: skip
-    out = _run_cli(capsys, *base)
+    out = _run_cli(capsys, *base, "--ag-in-place-groups", "0")
     placed = json.loads(out_json.read_text())["modes"]["tide"]["parts"]
     assert "ag_arena" not in placed and "ag_arena" not in out
-    out = _run_cli(capsys, *base, "--ag-in-place-groups", "2")
-    report = json.loads(out_json.read_text())
-    parts = report["modes"]["tide"]["parts"]
-    assert report["options"]["ag_in_place_groups"] == 2
-    assert parts["ag_arena"] > 0 and parts["ag_slots"] - placed["ag_slots"] == parts["ag_arena"]
-    assert "ag_arena (of ag_slots)" in out
+    arenas = {}
+    for flag in ([], ["--ag-in-place-groups", "2"]):  # the default ([tide]: 4 groups), then 2
+        out = _run_cli(capsys, *base, *flag)
+        report = json.loads(out_json.read_text())
+        parts = report["modes"]["tide"]["parts"]
+        groups = report["options"]["ag_in_place_groups"]
+        assert groups == (int(flag[1]) if flag else 4), report["options"]
+        assert parts["ag_slots"] - placed["ag_slots"] == parts["ag_arena"] > 0
+        assert "ag_arena (of ag_slots)" in out
+        arenas[groups] = parts["ag_arena"]
+    assert arenas[4] > arenas[2], arenas
     with pytest.raises(SystemExit):
         memory_report.main([*base, "--ag-in-place-groups", "-1"])

@@ -3,10 +3,12 @@ sees as ONE node (``NCCL_MULTI_RANK_GPU_ENABLE=1``, NCCL >= 2.30 in torch's plac
 scripts/gpu/check.sh's ``nxl`` stage swaps it in), TIDE told the layout
 (``local_world_size = L``): both tiers run TIDE's own code on NCCL windows, node-local
 puts and cross-node puts by copy engine (docs/2026-12-04-windows.md). At one rank per node
-(3x1, 4x1) the all-gather goes in place: every shard put straight into the parameters'
-storage on the window's arena, asserted from the transport's counters and install's log of
-the storage swap it took (torch 2.11 has no ``UntypedStorage._swap_data_ptr_``: the ctypes
-swap, ``storage_swap``); where neither works install logs why and they place with copies.
+(3x1, 4x1) the all-gather goes in place (the default, ``[tide] ag_in_place_groups = 4``):
+every shard put straight into the parameters' storage on the window's arena, asserted from
+the transport's counters and install's log of the storage swap it took (torch 2.11 has no
+``UntypedStorage._swap_data_ptr_``: the ctypes swap, ``storage_swap``); 3x1 with an arena
+of one group mixes in place and placement. Where no swap works install logs why and every
+all-gather places with copies.
 
 Each run: TorchTitan's own parallelize functions build a Llama-shaped model and the Qwen3
 MoE model with bf16 parameters and fp32 reduce (``_layouts.run_layout``); a stock FSDP2
@@ -34,6 +36,7 @@ import torch
 from _emulation import spawn_emulated
 from _layouts import Layout, run_layout
 
+from torchtitan_tide.comm import TideOptions
 from torchtitan_tide.comm.transport.nccl_rma import multi_rank_gpu_missing_reason
 from torchtitan_tide.comm.transport.storage_swap import swap_backend
 
@@ -58,10 +61,10 @@ def _shape(lws: int, **changes) -> list[Layout]:
 
 # world size -> (nodes x L label, layouts) of one spawn
 RUNS = {
-    3: [("3x1", _shape(1, tide={"ag_in_place_groups": 4}))],
+    3: [("3x1 arena of 1 group", _shape(1, tide={"ag_in_place_groups": 1}))],
     4: [("2x2", _shape(2)),
         ("2x2 EP", [replace(QWEN3, dp_shard=4, ep=2, local_world_sizes=(2,))]),
-        ("4x1", _shape(1, tide={"ag_in_place_groups": 4}))],
+        ("4x1", _shape(1))],
     6: [("3x2", _shape(2))],
     8: [("2x4", _shape(4)), ("4x2", _shape(2)),
         ("HSDP 2x2", [replace(BASE, dp_replicate=2, dp_shard=4, local_world_sizes=(2,))])],
@@ -83,23 +86,26 @@ def _parity(rank: int, world: int, runs: list[tuple[str, list[Layout]]]) -> None
             assert first and any(shape in m for m in first), f"{label}: {log}"
             counters = [t.counters for t in rec.transports.values()]
             in_place = sum(c.in_place_all_gathers for c in counters)
+            arena_groups = layout.tide.get("ag_in_place_groups", TideOptions().ag_in_place_groups)
             swap, how = swap_backend(torch.device("cuda", 0))
-            if layout.tide.get("ag_in_place_groups") and swap is None:
+            if lws == 1 and arena_groups and swap is None:
                 # this torch cannot point a storage at window memory: install says so and
                 # every all-gather places
                 assert in_place == 0, (label, in_place)
                 assert rank != 0 or f"TIDE-AG placement copies: {how}" in log, log
-            elif layout.tide.get("ag_in_place_groups"):
+            elif lws == 1 and arena_groups:
                 # one rank per node: every shard put straight into parameter storage on the
-                # window's arena (no placement copy unless the arena ran full)
+                # window's arena (no placement copy unless the arena ran full, which an
+                # arena of one group does whenever the next group is prefetched)
                 assert rank != 0 or f"storage swap: {how}" in log, log
                 print(f"[rank {rank}] {label}: in place, storage swap: {how}", flush=True)
                 full = sum(c.arena_full for c in counters)
                 placed = sum(c.placed_copies for c in counters)
                 assert in_place > 0 and (placed > 0) == (full > 0), (label, in_place, placed, full)
+                assert full > 0 or arena_groups != 1, f"{label}: an arena of 1 group never full"
                 assert sum(c.credits for c in counters) > 0, f"{label}: no range released"
             else:
-                assert in_place == 0, f"{label}: in place without [tide] ag_in_place_groups"
+                assert in_place == 0, f"{label}: in place with {lws} ranks per node"
             if rank == 0:
                 assert "transport=windows" in log, f"{label} {layout.model}: {log}"
                 assert "transport=copy_engine" not in log and "transport=p2p" not in log, log

@@ -133,8 +133,7 @@ class TideOptions:
         reshards the group (no pack, no placement copy; docs/2026-12-04-windows.md). The
         arena holds this many of the largest groups at once (4 covers the root group, the
         last block and two in flight); an all-gather that finds it full places its shards
-        with copies, logged. ``0`` (default until a GPU run has checked the in-place path,
-        see the docs): every all-gather places (no arena).
+        with copies, logged. ``0``: every all-gather places (no arena). Default 4.
     """
 
     transport: str = "auto"
@@ -148,7 +147,7 @@ class TideOptions:
     rs_wire_dtype: str = "float32"
     slot_reuse: bool = True
     slot_barrier: str = "copy_engine"
-    ag_in_place_groups: int = 0
+    ag_in_place_groups: int = 4
     install_timeout_s: int = 120
 
     def __post_init__(self) -> None:
