@@ -335,6 +335,12 @@ def _layout(text: str) -> tuple[int, int]:
     return nodes, local
 
 
+def _result_name(emulation: str, nodes: int, local: int) -> str:
+    """The results' name: every layout but 2x1 (the simulator's input, ``CROSS_NODE_FILE``
+    in ``simulator/inputs.py``) names its shape, so layouts of one call do not overwrite."""
+    return f"cross_node_{emulation}" + ("" if (nodes, local) == (2, 1) else f"_{nodes}x{local}")
+
+
 def _variants(emulation: str, wires: list[str], in_place_compare: bool = False) -> list[dict]:
     out = [{"name": "fsdp2", "mode": "fsdp2", "transport": "-", "wire": "-"}]
     transports = ["p2p"] + (["nccl_one_sided"] if emulation == "one_node" else [])
@@ -414,7 +420,7 @@ def main() -> int:
     rows.sort(key=lambda row: [v["name"] for v in variants].index(row["variant"]))
     meta = common.metadata(args.ranks)
     shape = f"{args.nodes}x{args.local}"
-    name = f"cross_node_{args.emulation}" + ("" if args.local == 1 else f"_{shape}")
+    name = _result_name(args.emulation, args.nodes, args.local)
     stem = common.result_stem(args.out_dir, name, meta)
     columns = [
         ["variant", "variant"], ["nccl_kernels", "NCCL kernels / step"],

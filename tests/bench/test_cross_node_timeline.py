@@ -57,3 +57,10 @@ def test_in_place_compare_needs_one_rank_per_node(monkeypatch, capsys):
         bench.main()
     assert exit_info.value.code == 2
     assert "--in-place-compare: TIDE-AG in place runs at one rank per node" in capsys.readouterr().err
+
+
+def test_result_names_differ_per_layout():
+    names = {bench._result_name("one_node", n, l) for n, l in ((2, 1), (4, 1), (2, 2), (3, 1))}
+    assert len(names) == 4
+    assert bench._result_name("one_node", 2, 1) == "cross_node_one_node"  # the simulator's input
+    assert bench._result_name("one_node", 4, 1) == "cross_node_one_node_4x1"

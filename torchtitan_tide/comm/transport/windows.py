@@ -25,8 +25,8 @@ read of stale bytes shows.
 
 In place (one rank per node, :class:`InPlace`): TIDE-AG points each parameter's unsharded
 storage at a range of the window's arena before the all-gather (``bind_in_place``: the
-storage object's data pointer is swapped (``storage_swap``), so every view of it, autograd's saved ones
-included, follows, as with FSDP2's ``resize_``), the own shards are cast there by
+storage object's data pointer is swapped, ``storage_swap``, so every view of it, autograd's
+saved ones included, follows, as with FSDP2's ``resize_``), the own shards are cast there by
 ``tide_all_gather`` and the peers' shards are put there: no pack, no placement copy. FSDP2's
 reshard (``FSDPParam.free_unsharded_param``, patched by ``fsdp_patch``) calls
 :meth:`WindowTransport.release`: the pointer is swapped back, the range freed, and a credit
