@@ -26,7 +26,7 @@ DEVICES = [
 def backend(request, monkeypatch):
     """``native`` where this torch has it (else skipped); ``ctypes`` as on torch 2.11."""
     if request.param == "native":
-        if not hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
+        if not storage_swap._native_available():
             pytest.skip(f"torch {torch.__version__} has no native storage swap")
     else:
         monkeypatch.setattr(storage_swap, "_native_available", lambda: False)
@@ -107,7 +107,7 @@ def test_ctypes_offset_is_what_the_native_swap_moves():
     """The ctypes span (DataPtr and size) is exactly the bytes ``_swap_data_ptr_`` exchanges
     there: after a native swap each storage's span holds the other's former span (but the
     Device's padding, bytes 26-31, which a move does not copy)."""
-    if not hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
+    if not storage_swap._native_available():
         pytest.skip(f"torch {torch.__version__} has no native storage swap to compare with")
     offset, why = storage_swap._probe_offset()
     assert offset is not None, why
@@ -130,7 +130,7 @@ def test_a_layout_the_probe_cannot_confirm_is_refused(monkeypatch):
     monkeypatch.setattr(storage_swap, "_native_available", lambda: False)
     monkeypatch.setattr(storage_swap, "_SCAN_WORDS", 2)  # the DataPtr lies beyond the scan
     storage_swap._probe_offset.cache_clear()
-    storage_swap._ctypes_checked.cache_clear()
+    storage_swap._ctypes_offset.cache_clear()
     try:
         kind, why = storage_swap.swap_backend(torch.device("cpu"))
         assert kind is None and "no single StorageImpl offset" in why, why
@@ -141,7 +141,7 @@ def test_a_layout_the_probe_cannot_confirm_is_refused(monkeypatch):
             storage_swap.swap_storages(a, b)
     finally:
         storage_swap._probe_offset.cache_clear()
-        storage_swap._ctypes_checked.cache_clear()
+        storage_swap._ctypes_offset.cache_clear()
 
 
 @pytest.mark.parametrize("backend", ["native", "ctypes"], indirect=True)
@@ -151,3 +151,18 @@ def test_swaps_the_native_swap_refuses_are_refused(backend):
         storage_swap.swap_storages(a, torch.empty(4, device="meta").untyped_storage())
     with pytest.raises((ValueError, RuntimeError), match="same nbytes or one must have 0"):
         storage_swap.swap_storages(a, torch.randn(5).untyped_storage())
+
+
+@pytest.mark.parametrize("backend", ["native", "ctypes"], indirect=True)
+def test_no_swap_without_storages_over_foreign_memory(backend, monkeypatch):
+    """The arena's ranges are wrapped by ``_construct_storage_from_data_pointer``: a torch
+    without it gets no swap, native or not, and the reason names it."""
+    monkeypatch.delattr(torch._C, "_construct_storage_from_data_pointer")
+    storage_swap._probe_offset.cache_clear()
+    storage_swap._ctypes_offset.cache_clear()
+    try:
+        kind, why = storage_swap.swap_backend(torch.device("cpu"))
+        assert kind is None and "lacks _construct_storage_from_data_pointer" in why, why
+    finally:
+        storage_swap._probe_offset.cache_clear()
+        storage_swap._ctypes_offset.cache_clear()

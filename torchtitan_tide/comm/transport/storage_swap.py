@@ -43,6 +43,14 @@ def _native_available() -> bool:
     return hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
+def _construct_missing() -> str | None:
+    """Why this torch cannot build a storage over memory it does not own (what the window's
+    arena ranges are wrapped in, whichever swap runs); None: it can."""
+    if hasattr(torch._C, "_construct_storage_from_data_pointer"):
+        return None
+    return f"torch {torch.__version__} lacks _construct_storage_from_data_pointer"
+
+
 def _word(address: int, offset: int) -> int:
     return int.from_bytes(ctypes.string_at(address + offset, 8), "little")
 
@@ -74,8 +82,9 @@ def _layout_offsets(storage: torch.UntypedStorage) -> set[int]:
 def _probe_offset() -> tuple[int | None, str]:
     """(DataPtr offset in a StorageImpl, '') or (None, why): probed on CPU storages of
     distinct sizes, resizable and not (``_construct_storage_from_data_pointer``)."""
-    if not hasattr(torch._C, "_construct_storage_from_data_pointer"):
-        return None, f"torch {torch.__version__} lacks _construct_storage_from_data_pointer"
+    why = _construct_missing()
+    if why is not None:
+        return None, why
     keep = [torch.UntypedStorage(1000 + 24 * k) for k in range(3)]
     keep += [torch._C._construct_storage_from_data_pointer(s.data_ptr(), s.device, 40 + k)
              for k, s in enumerate(keep)]  # fmt: skip
@@ -98,13 +107,13 @@ def _swap_raw(a: torch.UntypedStorage, b: torch.UntypedStorage, offset: int) -> 
 
 
 @functools.cache
-def _ctypes_checked(device_type: str, device_index: int | None) -> str | None:
-    """Why the ctypes swap cannot be trusted on this device (None: it can). A trial swap
-    of a resizable storage and a storage over another one's memory, read back through the
-    public API, then swapped back and read again."""
+def _ctypes_offset(device_type: str, device_index: int | None) -> tuple[int | None, str]:
+    """(the DataPtr offset, '') where the ctypes swap can be trusted on this device, else
+    (None, why). A trial swap of a resizable storage and a storage over another one's
+    memory, read back through the public API, then swapped back and read again."""
     offset, why = _probe_offset()
     if offset is None:
-        return why
+        return None, why
     device = torch.device(device_type, device_index)
     own = torch.arange(64, dtype=torch.uint8, device=device)
     other = torch.arange(100, 228, dtype=torch.uint8, device=device)
@@ -112,31 +121,33 @@ def _ctypes_checked(device_type: str, device_index: int | None) -> str | None:
     b = torch._C._construct_storage_from_data_pointer(b_owner.data_ptr(), device, 128)
     view = torch.empty(0, dtype=torch.uint8, device=device).set_(a)
     before = (a.data_ptr(), a.nbytes(), b.data_ptr(), b.nbytes())
+    expected = (before[2], before[3], before[0], before[1], before[2])  # the last: the view's
     _swap_raw(a, b, offset)
     swapped = (a.data_ptr(), a.nbytes(), b.data_ptr(), b.nbytes(), view.data_ptr())
     follows = bool(torch.equal(view, other[:64]))
     _swap_raw(a, b, offset)
     back = (a.data_ptr(), a.nbytes(), b.data_ptr(), b.nbytes())
-    if swapped != (before[2], before[3], before[0], before[1], before[2]) or not follows:
-        return (f"torch {torch.__version__}: the trial storage swap on {device} read back "
-                f"{swapped} (expected {(before[2], before[3], before[0], before[1], before[2])}, "
-                f"view follows: {follows})")  # fmt: skip
+    if swapped != expected or not follows:
+        return None, (f"torch {torch.__version__}: the trial storage swap on {device} read "
+                      f"back {swapped} (expected {expected}, view follows: {follows})")  # fmt: skip
     if back != before or not torch.equal(view, torch.arange(64, dtype=torch.uint8, device=device)):
-        return f"torch {torch.__version__}: the trial storage swap on {device} did not swap back"
-    return None
+        return None, f"torch {torch.__version__}: the trial storage swap on {device} did not swap back"
+    return offset, ""
 
 
 def swap_backend(device: torch.device | None = None) -> tuple[str | None, str]:
     """(``"native"`` | ``"ctypes"``, how) or (None, why neither works on ``device``)."""
+    why = _construct_missing()
+    if why is not None:
+        return None, why
     if _native_available():
         return "native", "UntypedStorage._swap_data_ptr_"
     device = device if device is not None else torch.device("cpu")
     if device.type not in _DEVICE_TYPE_CODES:
         return None, f"torch {torch.__version__} lacks _swap_data_ptr_ (no ctypes swap on {device.type})"
-    why = _ctypes_checked(device.type, device.index)
-    if why is not None:
+    offset, why = _ctypes_offset(device.type, device.index)
+    if offset is None:
         return None, f"torch {torch.__version__} lacks _swap_data_ptr_; {why}"
-    offset, _ = _probe_offset()
     return "ctypes", f"ctypes StorageImpl swap (DataPtr at +{offset}, checked on {device})"
 
 
@@ -158,8 +169,7 @@ def swap_storages(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
     if _native_available():
         a._swap_data_ptr_(b)
         return
-    why = _ctypes_checked(a.device.type, a.device.index)
-    if why is not None:
+    offset, why = _ctypes_offset(a.device.type, a.device.index)
+    if offset is None:
         raise RuntimeError(f"storage swap unavailable: {why}")
-    offset, _ = _probe_offset()
     _swap_raw(a, b, offset)
