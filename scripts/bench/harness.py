@@ -29,7 +29,9 @@ os.environ.update(
 
 import contextlib
 import datetime
+import faulthandler
 import json
+import logging
 import math
 import socket
 import sys
@@ -146,6 +148,7 @@ def _entry(
     worker: Callable[..., None],
     args: tuple,
 ) -> None:
+    faulthandler.enable()  # a fatal signal (e.g. SIGABRT) prints every thread's Python stack
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # before the process group (and NCCL) exists; "{rank}" in a value: this rank's number
     os.environ.update({k: v.replace("{rank}", str(rank)) for k, v in env})
@@ -169,6 +172,19 @@ def _entry(
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    _exit_after_teardown()
+
+
+def _exit_after_teardown() -> None:
+    """End a rank whose work, final barrier and process-group teardown succeeded, without
+    the interpreter's finalization (logs and stdio flushed first): once on CPU CI (torch
+    2.13, gloo, a profiled bench) a rank aborted there with "terminate called without an
+    active exception" after its results were written (docs/2026-12-06-bench-exit.md).
+    Failures still raise out of :func:`_entry` and end the rank as before."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(
