@@ -33,6 +33,7 @@ def test_defaults_are_stock_fsdp2():
         ({"rs_rows": "2"}, ["rs_rows", "integer"]),
         ({"rs_inflight": 0}, ["rs_inflight", ">= 1"]),
         ({"ag_in_place_groups": -1}, ["ag_in_place_groups", ">= 0"]),
+        ({"ag_storage_swap": "memmove"}, ["ag_storage_swap", "'ctypes'"]),
         ({"rs_wire_dtype": "bf16"}, ["rs_wire_dtype", "'bf16'", "float32", "bfloat16"]),
         ({"rs_wire_dtype": "float16"}, ["rs_wire_dtype", "'float16'", "bfloat16"]),
         ({"slot_reuse": 1}, ["slot_reuse", "boolean"]),
@@ -59,7 +60,8 @@ def test_tide_options_forwarded_only_for_tide():
         "transport": "nccl_p2p", "local_world_size": 1, "pacing": 4,
         "cross_node_transport": "auto", "reduce_scatter": "fsdp2", "rs_ctas": 8, "rs_rows": 2,
         "rs_inflight": 2, "rs_wire_dtype": "float32", "slot_reuse": True,
-        "slot_barrier": "kernel", "ag_in_place_groups": 4, "install_timeout_s": 120,
+        "slot_barrier": "kernel", "ag_in_place_groups": 4, "ag_storage_swap": "native",
+        "install_timeout_s": 120,
     }
     assert tide.options_ignored_by_mode() == []
     stock = Tide(comm="fsdp2", ag_transport="nccl_p2p", slot_reuse=False)

@@ -114,6 +114,13 @@ class Tide:
     flight). An all-gather that finds it full places with copies (logged). 0: always copy
     (docs/2026-12-04-windows.md)."""
 
+    ag_storage_swap: str = _DEFAULT.ag_storage_swap
+    """How TIDE-AG in place points a parameter's storage at the window's arena. "native"
+    (default): torch's UntypedStorage._swap_data_ptr_ (torch >= 2.12); a torch without it
+    (2.11) places every all-gather with copies, the reason logged. "ctypes": on such a
+    torch, exchange the storages' fields with ctypes (probed and trial-checked at start-up,
+    checked at every swap; docs/2026-12-07-in-place-robust.md)."""
+
     install_timeout_s: int = _DEFAULT.install_timeout_s
     """Seconds each step of TIDE's collective set-up at install (node-local process
     groups, symmetric-memory rendezvous, exchange of slot details) waits for the other

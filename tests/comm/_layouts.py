@@ -98,7 +98,14 @@ class Layout:
     compared from equal parameters and the unsharded parameters bitwise (with a tolerance,
     bf16 casts of fp32 parameters one ulp apart can round a bf16 ulp apart and let the
     copies drift past it). ``tide``: more ``[tide]`` keys of every TIDE copy (e.g. a
-    transport option), beside ``comm`` and ``local_world_size``.
+    transport option), beside ``comm`` and ``local_world_size``. ``frozen``: parameter name
+    prefixes frozen (``requires_grad_(False)``) in every copy before parallelizing, as partial
+    fine-tuning does. ``n_layers``: transformer blocks of the llama3 model (0: 2 per pipeline
+    stage). ``reshard_after_forward``: TorchTitan's ``fsdp_reshard_after_forward`` policy.
+    ``prefetch``: ``"default"`` (FSDP2's implicit backward prefetch), ``"explicit"`` (each
+    block prefetches the next in forward and the previous in backward) or ``"off"``
+    (FSDP2's backward prefetch patched out, in every copy alike). Every TIDE copy's window
+    arena must hold the same bytes after every step (``arena_in_use`` per transport).
     """
 
     model: str = "llama3"
@@ -126,6 +133,10 @@ class Layout:
     expect_transport: str = ""
     resync_params: bool = False
     tide: dict = field(default_factory=dict)
+    frozen: tuple = ()
+    n_layers: int = 0
+    reshard_after_forward: str = "default"
+    prefetch: str = "default"
 
 
 # ---------------------------------------------------------------- model and config
@@ -143,6 +154,7 @@ def job_config_for(layout: Layout):
     p.pipeline_parallel_degree = layout.pp
     p.pipeline_parallel_schedule = layout.pp_schedule
     p.expert_parallel_degree = layout.ep
+    p.fsdp_reshard_after_forward = layout.reshard_after_forward
     p.disable_loss_parallel = True  # replicated logits: the test's loss is plain
     jc.activation_checkpoint.mode = layout.ac
     jc.activation_checkpoint.selective_ac_option = layout.selective_ac_option
@@ -155,7 +167,7 @@ def job_config_for(layout: Layout):
 def model_args_for(layout: Layout):
     if layout.model == "llama3":
         return TransformerModelArgs(
-            dim=64, n_layers=2 * layout.pp, n_heads=4, n_kv_heads=2, vocab_size=VOCAB,
+            dim=64, n_layers=layout.n_layers or 2 * layout.pp, n_heads=4, n_kv_heads=2, vocab_size=VOCAB,
             multiple_of=32, max_seq_len=SEQ, rope_theta=10000,
         )  # fmt: skip
     if layout.model == "qwen3_moe":
@@ -177,6 +189,10 @@ def build_model(layout: Layout) -> nn.Module:
     model = (Transformer if layout.model == "llama3" else Qwen3Model)(args)
     with torch.no_grad():
         model.init_weights()
+    for name, param in model.named_parameters():
+        if name.startswith(tuple(layout.frozen)):
+            param.requires_grad_(False)
+    assert not layout.frozen or any(not p.requires_grad for p in model.parameters()), layout
     return model
 
 
@@ -411,6 +427,10 @@ def check_tide_ran(
             expected = ranks["efsdp" if fqn.endswith("moe.experts") else "fsdp"]
             assert _ranks(group) == expected, f"{where}: FSDP group {_ranks(group)} != {expected}"
             assert ag_calls > 0, f"{where}: TIDE-AG never ran; log:\n{log}"
+            trained = any(fp.sharded_param.requires_grad for fp in pg.fsdp_params)
+            if not trained:  # a frozen group has no gradient to reduce
+                assert rs_calls == 0, f"{where}: TIDE-RS ran on a frozen group"
+                continue
             assert rs_calls > 0, f"{where}: TIDE-RS never ran; log:\n{log}"
             per_node = lws or layout.ranks_per_node or group.size()
             nodes = (group.size() // per_node, per_node)
@@ -548,7 +568,9 @@ class _Copy:
         else:
             self.parts = [fn(model, dims, jc)]
         check_built(self.parts, layout)
-        params = [p for part in self.parts for p in part.parameters()]
+        if layout.prefetch == "explicit":
+            _explicit_prefetch(self.parts)
+        params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
         self.opt = torch.optim.SGD(params, lr=LR)
         self.unsharded = UnshardedLog(self.parts)
 
@@ -576,6 +598,39 @@ class _Copy:
     def step(self) -> None:
         self.opt.step()
         self.opt.zero_grad()
+
+
+def _explicit_prefetch(parts: list[nn.Module]) -> None:
+    """Each block prefetches the next in forward and the previous in backward."""
+    for part in parts:
+        blocks = list(part.layers.values())
+        for i, block in enumerate(blocks):
+            if i + 1 < len(blocks):
+                block.set_modules_to_forward_prefetch([blocks[i + 1]])
+            if i > 0:
+                block.set_modules_to_backward_prefetch([blocks[i - 1]])
+
+
+@contextmanager
+def _backward_prefetch(layout: Layout) -> Iterator[None]:
+    """``layout.prefetch == "off"``: FSDP2's implicit backward prefetch patched out."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    if layout.prefetch != "off":
+        yield
+        return
+    original = FSDPParamGroup._backward_prefetch
+    FSDPParamGroup._backward_prefetch = lambda self: None
+    try:
+        yield
+    finally:
+        FSDPParamGroup._backward_prefetch = original
+
+
+def arena_in_use(rec: TideRecord) -> dict[int, int]:
+    """Bytes held in each in-place window arena TIDE ran on (id of the transport -> bytes)."""
+    return {key: t.arena_in_use for key, t in rec.transports.items()
+            if getattr(t, "in_place", None) is not None}  # fmt: skip
 
 
 def _copy_params(src: list[nn.Module], dst: list[nn.Module]) -> None:
@@ -607,7 +662,8 @@ def run_layout(
     ref = _Copy(base, layout, dims, {"comm": "fsdp2"}, device)
     # All-gathers copy: bitwise, unless the parameters were allowed to drift apart.
     ag_tol = 0.0 if layout.resync_params else layout.tolerance
-    with watch_tide() as rec:
+    arenas: list[dict[int, int]] = []
+    with watch_tide() as rec, _backward_prefetch(layout):
         tides = {
             lws: _Copy(
                 base, layout, dims, {**layout.tide, "comm": "tide", "local_world_size": lws}, device
@@ -630,6 +686,11 @@ def run_layout(
                 tide.step()
                 if layout.resync_params:
                     _copy_params(ref.parts, tide.parts)
+            arenas.append(arena_in_use(rec))
+        # TIDE-AG in place gives back every arena range it took, each step: the arena holds
+        # the same bytes after every step (a range lost per step would grow it until it ran
+        # full and the all-gathers fell back to copies)
+        assert all(a == arenas[0] for a in arenas), f"rank {rank}: arena bytes per step {arenas}"
         for lws, tide in tides.items():
             check_tide_ran(tide.parts, rec, layout, dims, lws, f"[tide local_world_size={lws}] ")
     for tide in tides.values():  # on every rank alike: TIDE's own communicators end

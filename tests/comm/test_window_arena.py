@@ -57,6 +57,20 @@ def test_a_split_range_keeps_its_credit():
     assert (first.start, second.start) == (0, ARENA_ALIGN)
 
 
+def test_untake_restores_the_range_as_it_was():
+    """A bind refused before any write gives its range back as it was taken: not a release
+    (no new credit number), its credit and events kept, merged with its neighbours."""
+    arena = WindowArena(0, 4 * ARENA_ALIGN)
+    first = arena.take(2 * ARENA_ALIGN)
+    arena.give(first.start, first.nbytes, "ev", "s")
+    taken = arena.take(ARENA_ALIGN)
+    assert (taken.credit, taken.events) == (1, ("ev",))
+    arena.untake(taken)
+    assert arena.in_use == 0 and arena.releases == 1
+    again = arena.take(4 * ARENA_ALIGN)
+    assert (again.start, again.credit, again.events) == (0, 1, ("ev",))
+
+
 def test_bad_ranges_are_named():
     with pytest.raises(ValueError, match="aligned"):
         WindowArena(100, 1024)

@@ -55,6 +55,7 @@ def _parity_worker(rank: int, world: int, lws: int, tolerance: float, extra: dic
     os.environ["TIDE_RMA_STANDIN"] = "1"
     if swap == "ctypes":  # as on torch 2.11, which lacks UntypedStorage._swap_data_ptr_
         storage_swap._native_available = lambda: False
+        extra = {**extra, "ag_storage_swap": "ctypes"}
     records = LogRecords()
     logging.getLogger("torchtitan_tide").addHandler(records)
     logging.getLogger("torchtitan_tide").setLevel(logging.INFO)
@@ -121,41 +122,114 @@ def test_windows_parity_with_fsdp2(world, lws, extra):
     spawn(_parity_worker, world, lws, tolerance, options, expect_full, extra.get("swap", "native"))
 
 
-def _allocation_failure(rank: int, world: int) -> None:
+# (step of window_setup.FAIL_ON, the group rank it fails on, text the fallback reason names)
+PLANTED = [
+    ("unique id:slots", 0, "unique id:slots"),
+    ("communicator:slots", 1, "communicator:slots"),
+    ("window allocation", 1, "allocation"),
+    ("window registration", 1, "registration"),
+    ("unique id:ag_credit", 0, "credit communicator"),
+    ("communicator:ag_credit", 1, "credit communicator"),
+    ("communicator:data", 1, "data communicator"),
+    ("communicator:credit", 1, "credit communicator"),
+    ("ring allocation", 1, "phase-2 window allocation"),
+    ("ring registration", 1, "phase-2 window registration"),
+]
+
+
+def _planted_failure(rank: int, world: int) -> None:
+    """Every set-up step in turn fails on one rank: every rank falls back (``auto``) or
+    raises (the explicit option) within seconds, the reason naming the rank and the step,
+    and nothing this process made is left: communicators ended, window memory freed, ids
+    given up (the stand-in's folders gone)."""
+    import torch
+
     from torchtitan_tide import comm
     from torchtitan_tide.comm import fsdp_patch, window_setup
     from torchtitan_tide.comm.install import TideConfigError
+    from torchtitan_tide.comm.transport import rma_standin
 
     os.environ["TIDE_RMA_STANDIN"] = "1"
-    window_setup.FAIL_ALLOCATION_ON.add(1)  # group rank 1's window allocation fails
     records = LogRecords()
     logging.getLogger("torchtitan_tide").addHandler(records)
     logging.getLogger("torchtitan_tide").setLevel(logging.INFO)
-    try:
-        started = time.monotonic()
-        model = build(Scenario(), __import__("torch").device("cpu"))
-        comm.apply(model, "tide", local_world_size=1, install_timeout_s=60)
-        took = time.monotonic() - started
-        assert took < 20, f"the fallback took {took:.0f} s: a peer waited in a registration"
-        groups = [g for _, g in fsdp_patch.fsdp_param_groups(model)]
-        assert all(g._tide_ag_state.transport.name == "gloo" for g in groups)
-        assert all(g._tide_rs_state.cross_node.name == "p2p" for g in groups)
-        comm.remove(model)
-        if rank == 0:
-            lines = records.grep("cross-node p2p (auto:")
-            assert lines and "group rank 1" in lines[0] and "allocation" in lines[0], lines
-        model = build(Scenario(), __import__("torch").device("cpu"))
-        with pytest.raises(TideConfigError, match="nccl_one_sided' cannot run.*allocation"):
-            comm.apply(model, "tide", local_world_size=1, cross_node_transport="nccl_one_sided",
-                       install_timeout_s=60)  # fmt: skip
-        assert fsdp_patch.installed_refcount() == 0
-    finally:
-        window_setup.FAIL_ALLOCATION_ON.clear()
-    dist.barrier()
+    ledger = rma_standin.LEDGER
+    made: list[str] = []  # the stand-in's folders (its ids) this process made, in /dev/shm
+    new_unique_id = rma_standin.new_unique_id
+
+    def recorded_id() -> bytes:
+        unique_id = new_unique_id()
+        made.append(unique_id.rstrip(b"\0").decode())
+        return unique_id
+
+    rma_standin.new_unique_id = recorded_id
+    for step, bad_rank, named in PLANTED:
+        window_setup.FAIL_ON.clear()
+        window_setup.FAIL_ON[step] = {bad_rank}
+        records.messages.clear()
+        try:
+            started = time.monotonic()
+            model = build(Scenario(), torch.device("cpu"))
+            comm.apply(model, "tide", local_world_size=1, install_timeout_s=60)
+            took = time.monotonic() - started
+            assert took < 20, f"{step}: the fallback took {took:.0f} s (a peer waited it out)"
+            groups = [g for _, g in fsdp_patch.fsdp_param_groups(model)]
+            assert all(g._tide_ag_state.transport.name == "gloo" for g in groups), step
+            assert all(g._tide_rs_state.cross_node.name == "p2p" for g in groups), step
+            comm.remove(model)
+            if rank == 0:
+                lines = [m for m in records.messages if f"group rank {bad_rank}" in m]
+                assert any(named in m for m in lines), (step, records.messages[:12])
+            model = build(Scenario(), torch.device("cpu"))
+            started = time.monotonic()
+            with pytest.raises(TideConfigError, match="nccl_one_sided' cannot run"):
+                comm.apply(model, "tide", local_world_size=1,
+                           cross_node_transport="nccl_one_sided", install_timeout_s=60)  # fmt: skip
+            assert time.monotonic() - started < 20, step
+            assert fsdp_patch.installed_refcount() == 0
+        finally:
+            window_setup.FAIL_ON.clear()
+        dist.barrier()
+        assert ledger["comms"] == ledger["comms_ended"], (step, dict(ledger))
+        assert ledger["allocations"] == ledger["frees"], (step, dict(ledger))
+        assert ledger["ids"] == ledger["ids_removed"], (step, dict(ledger))
+        assert not [f for f in made if os.path.exists(f)], f"{step}: ids left behind"
+        dist.barrier()
+    assert made or rank != 0, "no id was made: the set-up never ran"
+    assert not [f for f in made if os.path.exists(f)], "ids left behind"
 
 
-def test_failed_window_allocation_on_one_rank_falls_back_at_once():
-    spawn(_allocation_failure, 2)
+@pytest.mark.slow
+def test_a_failed_set_up_step_on_one_rank_falls_back_at_once_and_leaks_nothing():
+    spawn(_planted_failure, 2)
+
+
+def _in_place_disagreement(rank: int, world: int) -> None:
+    """One rank's storage swap does not check out (its trial fails): the group agrees to
+    place on every rank (windows sized alike), the log names the rank; training matches."""
+    from torchtitan_tide.comm.transport import storage_swap
+
+    os.environ["TIDE_RMA_STANDIN"] = "1"
+    if rank == 1:
+        storage_swap.swap_backend = lambda *args, **kwargs: (None, "the trial swap failed (test)")
+    records = LogRecords()
+    logging.getLogger("torchtitan_tide").addHandler(records)
+    logging.getLogger("torchtitan_tide").setLevel(logging.INFO)
+    post_apply, seen = _check_windows(expect_ring=True)
+    started = time.monotonic()
+    run_parity(rank, world, SCENARIOS[:1], {"local_world_size": 1}, post_apply=post_apply)
+    assert time.monotonic() - started < 60
+    counters = [t.counters for t in seen["transports"]]
+    assert sum(c.in_place_all_gathers for c in counters) == 0
+    assert sum(c.placed_copies for c in counters) > 0
+    if rank == 0:
+        lines = records.grep("TIDE-AG placement copies: group rank 1: the trial swap failed")
+        assert lines, records.messages[:12]
+
+
+@pytest.mark.slow
+def test_ranks_that_disagree_on_in_place_all_place():
+    spawn(_in_place_disagreement, 2)
 
 
 def _compiled_in_place(rank: int, world: int) -> None:

@@ -129,7 +129,7 @@ def tide_all_gather(
     Returns with all transport work enqueued on the TIDE stream (CUDA) or done
     (CPU backends wait inside the transport)."""
     plan = state.plan
-    rank, world = plan.rank, plan.layout.world_size
+    world = plan.layout.world_size
     if device.type == "cuda":
         compute_stream = torch.cuda.current_stream(device)
         marks = _issue_marks.setdefault(device, collections.deque())
@@ -158,36 +158,13 @@ def tide_all_gather(
         # In place (windows at one rank per node): the storages now point into the window.
         bind = getattr(state.transport, "bind_in_place", None)
         in_place = bind is not None and bind(plan, fsdp_params, outputs, state.fqn)
-        if not in_place:
-            for fsdp_param, out in zip(fsdp_params, outputs):
-                fsdp_param.alloc_all_gather_outputs()
-                if compute_stream is not None:
-                    # Allocated on the TIDE stream, freed by FSDP on the compute stream.
-                    out.record_stream(compute_stream)
-        guarded = tuple(o for o in outputs if not o.is_inference())
-        preserve = (
-            torch.autograd._unsafe_preserve_version_counter(guarded)
-            if guarded
-            else contextlib.nullcontext()
-        )
-        with preserve:
-            if (hook := _debug_hooks["before"]) is not None:
-                # In place, peers may already have put into the storages: only the own
-                # shards are poisoned here (the transport poisons a range on release).
-                hook(outputs if not in_place else [
-                    o.narrow(0, p.dst_offset(rank), p.shard_numel)
-                    for o, p in zip(outputs, plan.params)
-                ])  # fmt: skip
-            # Own shard: one cast-copy per parameter (FSDP's copy-in does the
-            # same fp32 -> bf16 cast with the same rounding), unless the
-            # transport writes it itself (copy engine: from its packed slot).
-            if not getattr(state.transport, "writes_own_shard", False):
-                own = [
-                    o.narrow(0, p.dst_offset(rank), p.shard_numel)
-                    for o, p in zip(outputs, plan.params)
-                ]
-                torch._foreach_copy_(own, inputs)
-            work = state.transport.gather(plan, inputs, outputs, group)
+        try:
+            work = _write_shards(state, fsdp_params, inputs, outputs, group, compute_stream,
+                                 in_place)  # fmt: skip
+        except BaseException:
+            if in_place:  # the next all-gather must not run this one's bound plan
+                state.transport.cancel_pending()
+            raise
         event = stream.record_event() if compute_stream is not None else None
         if (hook := _debug_hooks["after"]) is not None:
             if work is not None:
@@ -197,6 +174,50 @@ def tide_all_gather(
                 event.synchronize()
             hook(outputs)
     return TideAllGatherResult(streams.empty_on(device), event, work, [], [], [])
+
+
+def _write_shards(
+    state: TideGroupState,
+    fsdp_params: list,
+    inputs: list[torch.Tensor],
+    outputs: list[torch.Tensor],
+    group: dist.ProcessGroup,
+    compute_stream: torch.Stream | None,
+    in_place: bool,
+) -> dist.Work | None:
+    """Allocate the unsharded storages (unless bound ``in_place``), write the own shards and
+    run the transport, on the stream current here (TIDE's); returns its work, if any."""
+    plan, rank = state.plan, state.plan.rank
+    if not in_place:
+        for fsdp_param, out in zip(fsdp_params, outputs):
+            fsdp_param.alloc_all_gather_outputs()
+            if compute_stream is not None:
+                # Allocated on the TIDE stream, freed by FSDP on the compute stream.
+                out.record_stream(compute_stream)
+    guarded = tuple(o for o in outputs if not o.is_inference())
+    preserve = (
+        torch.autograd._unsafe_preserve_version_counter(guarded)
+        if guarded
+        else contextlib.nullcontext()
+    )
+    with preserve:
+        if (hook := _debug_hooks["before"]) is not None:
+            # In place, peers may already have put into the storages: only the own
+            # shards are poisoned here (the transport poisons a range on release).
+            hook(outputs if not in_place else [
+                o.narrow(0, p.dst_offset(rank), p.shard_numel)
+                for o, p in zip(outputs, plan.params)
+            ])  # fmt: skip
+        # Own shard: one cast-copy per parameter (FSDP's copy-in does the
+        # same fp32 -> bf16 cast with the same rounding), unless the
+        # transport writes it itself (copy engine: from its packed slot).
+        if not getattr(state.transport, "writes_own_shard", False):
+            own = [
+                o.narrow(0, p.dst_offset(rank), p.shard_numel)
+                for o, p in zip(outputs, plan.params)
+            ]
+            torch._foreach_copy_(own, inputs)
+        return state.transport.gather(plan, inputs, outputs, group)
 
 
 @torch.no_grad()

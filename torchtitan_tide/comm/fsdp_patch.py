@@ -23,21 +23,31 @@ dispatching wrappers (every read of FSDP2 internals is in ``fsdp_internals``):
   forward of a TIDE model says so (:func:`check_not_bypassed`).
 
 ``unshard``/``wait_for_unshard``/``reshard``/``post_backward`` are untouched,
-so prefetching, resharding and FSDP's stream/event protocol stay FSDP2's. One method is
-wrapped as well: ``FSDPParam.free_unsharded_param`` (FSDP2's reshard of one parameter),
-so that a parameter whose unsharded storage a transport pointed at its own memory
-(:func:`hold_unsharded`: the windows' in-place all-gather) is handed back to that
-transport first; every other parameter goes straight to FSDP2's method.
+so prefetching, resharding and FSDP's stream/event protocol stay FSDP2's. Two methods are
+wrapped as well:
+
+- ``FSDPParam.free_unsharded_param`` (FSDP2's reshard of one parameter), so that a
+  parameter whose unsharded storage a transport pointed at its own memory
+  (:func:`hold_unsharded`: the windows' in-place all-gather) is handed back to that
+  transport first; every other parameter goes straight to FSDP2's method.
+- ``FSDPParamGroup.finalize_backward``: FSDP2 drops an all-gather that was issued and never
+  waited for (a backward prefetch of a group whose backward does not run: frozen layers,
+  a partial forward) without a reshard. After FSDP2's method, a group whose dropped
+  all-gather was TIDE's frees its unsharded parameters as a reshard would
+  (``free_unsharded_param``, so an in-place range goes back to its window's arena and the
+  storages of the other transports are freed as stock FSDP2 never allocated them).
 Which groups are marked, and with what, is decided by ``comm/install.py``.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import weakref
 
 from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedState
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
 from . import fsdp_internals
 from .all_gather import (
@@ -71,6 +81,10 @@ _groups_by_param: dict[int, weakref.ref] = {}
 # id(FSDPParam) -> the transport holding its unsharded storage (``release(fsdp_param)``).
 _held: dict[int, object] = {}
 _FREE = "free_unsharded_param"
+_FINALIZE = "finalize_backward"
+# All-gathers of TIDE that FSDP2 dropped at the end of a backward and TIDE resharded, per
+# group name (tests assert the path ran).
+dropped_all_gathers: collections.Counter = collections.Counter()
 
 
 def mark(param_group, ag_state: TideGroupState, rs_state: TideRSState | None) -> None:
@@ -235,6 +249,20 @@ def _free_unsharded_param(self) -> None:
     return _originals[_FREE](self)
 
 
+def _finalize_backward(self) -> None:
+    dropped = isinstance(getattr(self, "_all_gather_result", None), TideAllGatherResult)
+    _originals[_FINALIZE](self)
+    if dropped:  # FSDP2 waited for it (current stream) and forgot it: reshard its storage
+        dropped_all_gathers[getattr(self, "_module_fqn", "")] += 1
+        logger.debug("TIDE %s: an all-gather FSDP2 dropped at the end of the backward is "
+                     "resharded", getattr(self, "_module_fqn", "?"))  # fmt: skip
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.free_unsharded_param()
+
+
+_methods = {(FSDPParam, _FREE): _free_unsharded_param,
+            (FSDPParamGroup, _FINALIZE): _finalize_backward}  # fmt: skip
+
 _wrappers = {
     "foreach_all_gather": _foreach_all_gather,
     "foreach_all_gather_copy_out": _foreach_all_gather_copy_out,
@@ -249,8 +277,9 @@ def acquire() -> None:
         for name in fsdp_internals.PATCHED_NAMES:
             _originals[name] = fsdp_internals.get_patched(name)
             fsdp_internals.set_patched(name, _wrappers[name])
-        _originals[_FREE] = FSDPParam.free_unsharded_param
-        FSDPParam.free_unsharded_param = _free_unsharded_param
+        for (cls, name), wrapper in _methods.items():
+            _originals[name] = getattr(cls, name)
+            setattr(cls, name, wrapper)
         _bypass_warned.clear()
     _refcount += 1
 
@@ -269,12 +298,13 @@ def release() -> None:
                     "TIDE: FSDP2's %s was rebound by someone else after TIDE; not restoring",
                     name,
                 )
-        if FSDPParam.free_unsharded_param is _free_unsharded_param:
-            FSDPParam.free_unsharded_param = _originals.pop(_FREE)
-        else:
-            _originals.pop(_FREE)
-            logger.warning("TIDE: FSDPParam.%s was rebound by someone else after TIDE; "
-                           "not restoring", _FREE)  # fmt: skip
+        for (cls, name), wrapper in _methods.items():
+            original = _originals.pop(name)
+            if getattr(cls, name) is wrapper:
+                setattr(cls, name, original)
+            else:
+                logger.warning("TIDE: %s.%s was rebound by someone else after TIDE; "
+                               "not restoring", cls.__name__, name)  # fmt: skip
         _held.clear()
         clear_global_ranks()
 

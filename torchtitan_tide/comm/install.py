@@ -44,7 +44,7 @@ from .transport import (
 from .transport.copy_engine import CopyEngineTransport, SymmSlots
 from .transport.one_sided import OneSidedCrossNode, rs_ring_bytes
 from .transport.p2p import P2PCrossNode, P2PTransport
-from .transport.storage_swap import swap_backend, swap_missing_reason
+from .transport import storage_swap
 from .transport.windows import InPlace, WindowSlots, WindowTransport
 from .window_arena import ARENA_ALIGN, WindowArena
 from .window_rounds import window_layout
@@ -469,7 +469,17 @@ def _in_place_missing(
         return f"{layout.local_world_size} ranks per node (in place runs at one)"
     if layout.num_nodes < 2:
         return "one node"
-    return swap_missing_reason(device)
+    return storage_swap.swap_missing_reason(device, options.ag_storage_swap == "ctypes")
+
+
+def _swap_taken(device: torch.device, options: TideOptions) -> str:
+    """The storage swap TIDE-AG in place runs on, as logged; says so where ``[tide]
+    ag_storage_swap = "ctypes"`` was asked for and torch's native swap runs instead."""
+    allow_ctypes = options.ag_storage_swap == "ctypes"
+    kind, how = storage_swap.swap_backend(device, allow_ctypes)
+    if kind == "native" and allow_ctypes:
+        how += " ([tide] ag_storage_swap = 'ctypes' not needed: this torch has the native swap)"
+    return how
 
 
 def _connect_windows(
@@ -510,6 +520,12 @@ def _connect_windows(
         slots_bytes = ring_bytes = arena_bytes = 0
         wl = None
         in_place_why = _in_place_missing(layout, users, options, c.device)
+        peers = list(group_global_ranks(c.group))
+        scope = f"windows{k}/{zlib.crc32(repr(peers).encode()):08x}"
+        if why is None and users:  # one decision for the group: it sizes every rank's window
+            assert steps is not None
+            in_place_why = window_setup.agree(steps, scope, c.group, c.device,
+                                              "TIDE-AG in place", in_place_why)  # fmt: skip
         if in_place_why is None:
             arena_bytes = window_arena.arena_bytes(
                 (fsdp_internals.unsharded_bytes(m.pg, layout.world_size, ARENA_ALIGN)
@@ -532,9 +548,7 @@ def _connect_windows(
                 slots_bytes = wl.total_bytes
             if ring_wanted:
                 ring_bytes = rs_ring_bytes(options.rs_inflight, 4 * reduce_numel, wire)
-            peers = list(group_global_ranks(c.group))
             assert steps is not None
-            scope = f"windows{k}/{zlib.crc32(repr(peers).encode()):08x}"
             slots_window, ring, why = window_setup.connect(
                 steps, scope, c.group, c.device, found, slots_bytes, ring_bytes,
                 ag_credit=bool(arena_bytes),
@@ -571,7 +585,7 @@ def _connect_windows(
             )  # fmt: skip
         parts = ([f"window {slots_bytes} B (TIDE-AG, TIDE-RS rows)"] if slots_window else []) + (
             [(f"TIDE-AG in place: arena {arena_bytes} B for {options.ag_in_place_groups} "
-              f"groups, storage swap: {swap_backend(c.device)[1]}")]
+              f"groups, storage swap: {_swap_taken(c.device, options)}")]
             if slots_window and arena_bytes else
             [f"TIDE-AG placement copies: {in_place_why}"] if slots_window else []) + (
             [f"phase-2 ring {ring_bytes} B ({options.rs_inflight} regions)"] if ring else [])

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 
 __all__ = [
     "CROSS_NODE_TRANSPORTS", "REDUCE_SCATTERS", "RS_WIRE_DTYPES", "RS_WIRE_ITEMSIZE",
-    "SLOT_BARRIERS", "TOML_KEYS", "TRANSPORTS", "TideOptionError", "TideOptions",
+    "SLOT_BARRIERS", "STORAGE_SWAPS", "TOML_KEYS", "TRANSPORTS", "TideOptionError", "TideOptions",
     "option_label", "toml_key", "validate_options",
 ]  # fmt: skip
 
@@ -22,6 +22,7 @@ TRANSPORTS = ("auto", "nccl_windows", "copy_engine", "nccl_p2p", "gloo")
 CROSS_NODE_TRANSPORTS = ("auto", "p2p", "nccl_one_sided")
 REDUCE_SCATTERS = ("tide", "fsdp2")
 SLOT_BARRIERS = ("copy_engine", "kernel")
+STORAGE_SWAPS = ("native", "ctypes")
 # [tide] rs_wire_dtype -> bytes per element on TIDE-RS's cross-node wire (torch-free:
 # the simulator reads it).
 RS_WIRE_ITEMSIZE = {"float32": 4, "bfloat16": 2}
@@ -134,6 +135,14 @@ class TideOptions:
         arena holds this many of the largest groups at once (4 covers the root group, the
         last block and two in flight); an all-gather that finds it full places its shards
         with copies, logged. ``0``: every all-gather places (no arena). Default 4.
+    ag_storage_swap:
+        How TIDE-AG in place points a parameter's storage at the arena. ``"native"``
+        (default): torch's ``UntypedStorage._swap_data_ptr_`` (torch >= 2.12); on a torch
+        without it (2.11) every all-gather places, with the reason logged. ``"ctypes"``: on
+        such a torch, exchange the two storages' fields with ctypes instead (offsets probed
+        and a trial swap checked at start-up, both storages checked at every swap, signals
+        held off across it; docs/2026-12-07-in-place-robust.md); where torch has the native
+        swap, the native one runs (logged).
     """
 
     transport: str = "auto"
@@ -148,6 +157,7 @@ class TideOptions:
     slot_reuse: bool = True
     slot_barrier: str = "copy_engine"
     ag_in_place_groups: int = 4
+    ag_storage_swap: str = "native"
     install_timeout_s: int = 120
 
     def __post_init__(self) -> None:
@@ -214,4 +224,7 @@ def validate_options(options: TideOptions) -> None:
     _integer(options, "ag_in_place_groups", 0,
              " (groups whose unsharded parameters the window arena holds; 0 = placement "
              "copies)")  # fmt: skip
+    _choice(options, "ag_storage_swap", STORAGE_SWAPS,
+            "; 'ctypes' lets TIDE-AG go in place on a torch without "
+            "UntypedStorage._swap_data_ptr_ (2.11)")  # fmt: skip
     _integer(options, "install_timeout_s", 1, " (seconds)")

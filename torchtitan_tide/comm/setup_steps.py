@@ -78,6 +78,16 @@ class SetupSteps:
         self.rank = dist.get_rank()
         self.timeout_s = timeout_s
         self.poll_s = default_poll_s(dist.get_world_size()) if poll_s is None else poll_s
+        self.abandoned: list[threading.Thread] = []  # helper threads of steps given up
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the helper threads of abandoned steps to end (each
+        ends what it made late, ``run``'s ``on_abandoned``); True when all did."""
+        deadline = time.monotonic() + timeout_s
+        for thread in self.abandoned:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self.abandoned = [t for t in self.abandoned if t.is_alive()]
+        return not self.abandoned
 
     def _error_key(self, scope: str) -> str:
         return f"{self.prefix}/{scope}/error"
@@ -98,25 +108,45 @@ class SetupSteps:
         peers: Sequence[int],
         fn: Callable[[], T],
         device: torch.device | None = None,
+        on_abandoned: Callable[[T], None] | None = None,
     ) -> T:
         """``fn()`` (a collective over the global ranks ``peers``), bounded (module
         docstring). ``fn`` runs in a helper thread, which starts on CUDA device 0: a CUDA
         ``device`` (this rank's, where the step's buffers and communicators live) is made
-        current there first; None or a CPU device sets none.
+        current there first; None or a CPU device sets none. A step this rank abandons
+        (a peer's report, the bound) may still return later in its helper thread:
+        ``on_abandoned(value)`` then ends what it made (e.g. aborts a communicator).
 
         Raises:
             SetupFailed: a peer reported a failure, or the step outlived the bound.
             Exception: ``fn``'s own, after reporting it to the peers.
         """
         result: dict[str, object] = {}
+        lock = threading.Lock()
 
         def target() -> None:
             try:
                 if device is not None and device.type == "cuda":
                     torch.cuda.set_device(device)
-                result["value"] = fn()
+                value = fn()
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-                result["error"] = e
+                with lock:
+                    result["error"] = e
+                return
+            with lock:
+                abandoned = result.get("abandoned", False)
+                if not abandoned:
+                    result["value"] = value
+            if abandoned and on_abandoned is not None:
+                on_abandoned(value)
+
+        def abandon() -> None:
+            self.abandoned.append(thread)
+            with lock:
+                result["abandoned"] = True
+                value = result.pop("value", None)
+            if value is not None and on_abandoned is not None:
+                on_abandoned(value)
 
         thread = threading.Thread(target=target, name=f"tide-setup-{step}", daemon=True)
         thread.start()
@@ -126,8 +156,10 @@ class SetupSteps:
             if not thread.is_alive():
                 break
             if (text := self._peer_error(scope)) is not None:
+                abandon()
                 raise SetupFailed(f"{step} stopped: {text}")
             if time.monotonic() > deadline:
+                abandon()
                 text = (
                     f"rank {self.rank}: {step} did not complete within [tide] "
                     f"install_timeout_s = {self.timeout_s:g} s (peers {list(peers)}: one hung, "
@@ -142,6 +174,11 @@ class SetupSteps:
             self._report(scope, f"rank {self.rank} failed in {step}: {type(error).__name__}: {error}")
             raise error  # type: ignore[misc]
         return result["value"]  # type: ignore[return-value]
+
+    def report(self, scope: str, text: str) -> None:
+        """Tell ``scope``'s peers of a failure of this rank (their waits there stop at once)."""
+        if self._peer_error(scope) is None:
+            self._report(scope, text)
 
     def exchange(self, step: str, scope: str, peers: Sequence[int], value: object) -> list:
         """Every peer's ``value``, in the order of ``peers`` (this rank among them).

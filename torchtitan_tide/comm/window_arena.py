@@ -61,6 +61,7 @@ class Taken:
     nbytes: int
     credit: int
     events: tuple
+    by_stream: dict = field(default_factory=dict)  # the free range's ``events``, for untake
 
 
 def _merge_events(a: dict, b: dict) -> dict:
@@ -94,8 +95,14 @@ class WindowArena:
             else:
                 self.free[i] = FreeRange(r.start + size, r.nbytes - size, r.credit, r.events)
             self.in_use += size
-            return Taken(r.start, size, r.credit, tuple(e for _, e in r.events.values()))
+            return Taken(r.start, size, r.credit, tuple(e for _, e in r.events.values()),
+                         r.events)  # fmt: skip
         return None
+
+    def untake(self, taken: Taken) -> None:
+        """Undo :meth:`take` of a range nobody wrote (not a release: no credit is owed)."""
+        self.in_use -= taken.nbytes
+        self._insert(FreeRange(taken.start, taken.nbytes, taken.credit, taken.by_stream))
 
     def give(self, start: int, nbytes: int, event: object = None, stream_key: object = None) -> int:
         """Free a range from :meth:`take` (its ``start`` and requested size); returns this
@@ -109,7 +116,11 @@ class WindowArena:
         self.releases += 1
         self.in_use -= size
         events = {stream_key: (self.releases, event)} if event is not None else {}
-        new = FreeRange(start, size, self.releases, events)
+        self._insert(FreeRange(start, size, self.releases, events))
+        return self.releases
+
+    def _insert(self, new: FreeRange) -> None:
+        """Add a free range, merging it with its free neighbours."""
         ranges = sorted([*self.free, new], key=lambda r: r.start)
         merged: list[FreeRange] = []
         for r in ranges:
@@ -121,4 +132,3 @@ class WindowArena:
             else:
                 merged.append(r)
         self.free = merged
-        return self.releases

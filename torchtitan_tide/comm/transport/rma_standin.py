@@ -18,12 +18,20 @@ be forked from one parent. Signal cell ``[receiver][sender]`` has one writer (th
 On CPU every call runs on the host when it is made; ``stream`` arguments are accepted and
 ignored. A wait spins with a deadline (:class:`StandinTimeout` names the peer).
 
+Collective calls block as NCCL's do: :meth:`StandinRma.create` and :meth:`StandinRma.register`
+return once every rank of the communicator made the same call (a file per rank and call in
+the folder), or raise once a rank aborted the communicator or gave its id up
+(:func:`abandon_unique_id`: an ``aborted`` file), or the folder is gone. :data:`LEDGER` counts
+what this process made and ended (ids, communicators, allocations; tests assert nothing leaks).
+
 :class:`Faults` breaks one of the semantics on purpose (a signal that overtakes its data, a
 source read after the put returned), so checks of those assumptions can be shown to fail.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import ctypes
 import os
 import secrets
@@ -36,11 +44,32 @@ import torch
 
 from .nccl_rma import RmaMemory, RmaWindow
 
-__all__ = ["Faults", "StandinError", "StandinRma", "StandinTimeout", "new_unique_id"]
+__all__ = [
+    "LEDGER", "Faults", "StandinError", "StandinRma", "StandinTimeout", "abandon_unique_id",
+    "new_unique_id",
+]  # fmt: skip
 
 _UNIQUE_ID_BYTES = 128  # as ncclUniqueId: the folder's path, NUL-padded
 _POLL_S = 0.0002
 _MAP_TIMEOUT_S = 60.0
+_ABORTED = "aborted"
+# What this process made and ended: "ids" / "ids_removed" (folders), "comms" / "comms_ended",
+# "allocations" / "frees" (window memory, registered or not).
+LEDGER: collections.Counter = collections.Counter()
+_REMOVING = threading.Lock()  # an abandoned step's thread and the main thread may both remove
+
+
+def _remove(folder: str) -> None:
+    """Delete a communicator's folder (once: counted in :data:`LEDGER`)."""
+    with _REMOVING:
+        if not os.path.isdir(folder):
+            return
+        for _ in range(100):  # a peer may add a file (a join, the abort mark) while it goes
+            shutil.rmtree(folder, ignore_errors=True)
+            if not os.path.isdir(folder):
+                break
+            time.sleep(0.01)
+        LEDGER["ids_removed"] += 1
 
 
 class StandinError(RuntimeError):
@@ -73,11 +102,45 @@ def new_unique_id(root: str | None = None) -> bytes:
 
         base = tempfile.gettempdir()
     folder = os.path.join(base, f"tide-rma-{secrets.token_hex(8)}")
-    os.makedirs(folder)
     raw = folder.encode()
     if len(raw) >= _UNIQUE_ID_BYTES:
         raise StandinError(f"stand-in folder path too long: {folder}")
+    os.makedirs(folder)
+    LEDGER["ids"] += 1
     return raw.ljust(_UNIQUE_ID_BYTES, b"\0")
+
+
+def _folder_of(unique_id: bytes) -> str:
+    return unique_id.rstrip(b"\0").decode()
+
+
+def abandon_unique_id(unique_id: bytes) -> None:
+    """The id's maker gives it up (a communicator of it failed somewhere): ranks blocked in
+    a collective call of it raise at once, and its folder goes."""
+    folder = _folder_of(unique_id)
+    with contextlib.suppress(OSError):
+        with open(os.path.join(folder, _ABORTED), "w") as f:
+            f.write("abandoned")
+    _remove(folder)
+
+
+def _join(folder: str, call: str, rank: int, size: int, timeout_s: float) -> None:
+    """Block until every rank of the communicator in ``folder`` made ``call`` (as NCCL's
+    collective calls do); raise once the communicator was aborted or its folder is gone."""
+    try:
+        with open(os.path.join(folder, f"join.{call}.{rank}"), "w"):
+            pass
+    except FileNotFoundError:
+        raise StandinError(f"{call}: the communicator's folder {folder} is gone (aborted)") from None
+    deadline = time.monotonic() + timeout_s
+    paths = [os.path.join(folder, f"join.{call}.{r}") for r in range(size)]
+    while not all(os.path.exists(p) for p in paths):
+        if os.path.exists(os.path.join(folder, _ABORTED)) or not os.path.isdir(folder):
+            raise StandinError(f"{call}: a rank aborted the communicator")
+        if time.monotonic() > deadline:
+            missing = [r for r, p in enumerate(paths) if not os.path.exists(p)]
+            raise StandinTimeout(f"{call}: ranks {missing} did not join within {timeout_s:.0f} s")
+        time.sleep(0.001)
 
 
 def _map(path: str, nbytes: int, create: bool) -> torch.Tensor:
@@ -122,10 +185,17 @@ class StandinRma:
     ) -> StandinRma:  # fmt: skip
         """As ``RmaComm.create``: every rank of the communicator passes the same id."""
         del device  # CPU only
-        folder = unique_id.rstrip(b"\0").decode()
+        folder = _folder_of(unique_id)
         if not os.path.isdir(folder):
             raise StandinError(f"stand-in communicator folder {folder} does not exist")
-        return cls(folder, rank, size, faults)
+        comm = cls(folder, rank, size, faults)
+        LEDGER["comms"] += 1
+        try:
+            _join(folder, "create", rank, size, comm.timeout_s)
+        except BaseException:
+            comm.abort()
+            raise
+        return comm
 
     def _signal_path(self, rank: int) -> str:
         return os.path.join(self.folder, f"signals.{rank}")
@@ -141,17 +211,26 @@ class StandinRma:
         path = os.path.join(self.folder, f"window{index}.{self.rank}")
         tensor = _map(path, nbytes, create=True)
         self._allocated[tensor.data_ptr()] = (tensor, index)
+        LEDGER["allocations"] += 1
         return RmaMemory(tensor.data_ptr(), nbytes)
 
     def free(self, memory: RmaMemory) -> None:
-        self._allocated.pop(memory.ptr, None)
+        """Free memory from :meth:`allocate` that was not registered."""
+        if self._allocated.pop(memory.ptr, None) is not None:
+            LEDGER["frees"] += 1
 
     def register(self, memory: RmaMemory | int) -> RmaWindow:
         """Register memory from :meth:`allocate` (or allocate ``nbytes`` first) as the next
         window (collective by convention: every rank in the same order and size)."""
         if isinstance(memory, int):
             memory = self.allocate(memory)
-        tensor, index = self._allocated.pop(memory.ptr)
+        index = self._allocated[memory.ptr][1]
+        try:
+            _join(self.folder, f"register{index}", self.rank, self.size, self.timeout_s)
+        except BaseException:
+            self.free(memory)  # as NCCL's registration frees on failure (nccl_rma)
+            raise
+        tensor, _ = self._allocated.pop(memory.ptr)
         window = RmaWindow(memory.ptr, memory.nbytes, ctypes.c_void_p(index), tensor)
         self.windows.append(window)
         return window
@@ -250,21 +329,35 @@ class StandinRma:
         return int(self._signals[peer].item())
 
     def destroy(self) -> None:
-        """Drop the mappings; rank 0 unlinks the communicator's files (a rank that mapped
-        them keeps its mappings valid)."""
+        """Drop the mappings and free what this rank holds; rank 0 unlinks the
+        communicator's files (a rank that mapped them keeps its mappings valid)."""
+        self._end(aborted=False)
+
+    def abort(self) -> None:
+        """As :meth:`destroy`, and every rank blocked in a collective call of this
+        communicator raises at once (the ``aborted`` file)."""
+        self._end(aborted=True)
+
+    def _end(self, aborted: bool) -> None:
+        if self.closed:
+            return
         for thread in self._threads:
             thread.join(self.faults.delay_s * 10 + 1)
         self._threads.clear()
         self._peer_windows.clear()
         self._peer_signals.clear()
+        LEDGER["frees"] += len(self._allocated) + len(self.windows)
         self._allocated.clear()
         self.windows.clear()
         self.closed = True
+        LEDGER["comms_ended"] += 1
+        if aborted and os.path.isdir(self.folder):
+            with contextlib.suppress(OSError):
+                with open(os.path.join(self.folder, _ABORTED), "w") as f:
+                    f.write(f"rank {self.rank}")
         if self.rank == 0:
             self.remove_folder()
 
-    abort = destroy
-
     def remove_folder(self) -> None:
         """Delete the communicator's files."""
-        shutil.rmtree(self.folder, ignore_errors=True)
+        _remove(self.folder)

@@ -69,7 +69,7 @@ from ..window_rounds import (
 )
 from . import global_rank
 from .copy_engine import _try_batch, cast_into_entry
-from .storage_swap import swap_storages
+from .storage_swap import swap_storage_pairs, swap_storages
 
 __all__ = ["InPlace", "WindowCounters", "WindowSlots", "WindowTransport"]
 
@@ -150,6 +150,7 @@ class WindowTransport:
         self._pending: tuple | None = None  # the bound all-gather ``gather`` runs next
         self._bindings: dict[int, _Binding] = {}  # id(FSDPParam) -> its range
         self._full_logged: set[str] = set()
+        self._rebind_logged: set[str] = set()
 
     @property
     def writes_own_shard(self) -> bool:
@@ -180,14 +181,21 @@ class WindowTransport:
         """Point ``outputs`` (the FSDPParams' ``all_gather_outputs[0]``, not allocated yet or
         allocated once by FSDP2's first ``init_all_gather_outputs``) at a free arena range for
         the next :meth:`gather`; False (nothing changed) when this group does not go in place
-        or no range is free. Called on TIDE's stream, which then waits for this rank's last
-        use of the range."""
+        or no range is free. A range these parameters still hold (an all-gather FSDP2 dropped
+        without a reshard) is given back first. Called on TIDE's stream, which then waits for
+        this rank's last use of the range."""
         ip = self.in_place
         if ip is None or not outputs or plan.layout.local_world_size != 1 or not plan.exchanges:
             return False
         if any(type(o) is not torch.Tensor or getattr(fp, "_unsharded_inner_tensors", None)
                for fp, o in zip(fsdp_params, outputs)):  # fmt: skip
             return False
+        if any(id(fp) in self._bindings for fp in fsdp_params):
+            if fqn not in self._rebind_logged:
+                self._rebind_logged.add(fqn)
+                logger.info("TIDE %s: an earlier in-place all-gather of this group was never "
+                            "resharded; its arena range is given back first", fqn)  # fmt: skip
+            self.release_group(fsdp_params)
         sizes = [o.numel() * o.element_size() for o in outputs]
         offsets, total = [], 0
         for n in sizes:
@@ -218,20 +226,28 @@ class WindowTransport:
                 current.wait_event(event)
         base = self.slots.window.tensor.data_ptr() + taken.start
         binding = _Binding(taken.start, total)
+        pairs = []
         for fp, out, off, n in zip(fsdp_params, outputs, offsets, sizes):
             storage = out.untyped_storage()
-            if storage.nbytes():
-                storage.resize_(0)  # FSDP2's first init_all_gather_outputs allocated it
+            if storage.nbytes():  # FSDP2's first init_all_gather_outputs allocated it
+                storage.resize_(0)
             held = torch._C._construct_storage_from_data_pointer(base + off, device, n)
-            swap_storages(storage, held)  # ``held`` now holds the parameter's empty memory
+            pairs.append((storage, held))  # ``held`` then holds the parameter's empty memory
             binding.params[id(fp)] = (fp, held)
-            self._bindings[id(fp)] = binding
+        try:
+            swap_storage_pairs(pairs)
+        except RuntimeError as e:  # refused before any exchange: place this all-gather
+            ip.arena.untake(taken)  # nobody wrote the range; not a release
+            logger.warning("TIDE %s: the storage swap refused a parameter (%s); this "
+                           "all-gather places its shards with copies", fqn, e)  # fmt: skip
+            return False
         from .. import fsdp_patch
 
         for fp in fsdp_params:
+            self._bindings[id(fp)] = binding
             fsdp_patch.hold_unsharded(fp, self)
         world = plan.layout.world_size
-        self._pending = (plan, tuple(offsets), tuple(n // world for n in sizes), taken)
+        self._pending = (plan, tuple(offsets), tuple(n // world for n in sizes), taken, binding)
         return True
 
     def release(self, fsdp_param) -> None:
@@ -241,8 +257,35 @@ class WindowTransport:
         binding = self._bindings.pop(id(fsdp_param))
         _, held = binding.params.pop(id(fsdp_param))
         swap_storages(fsdp_param.all_gather_outputs[0].untyped_storage(), held)
-        if binding.params:
-            return
+        if not binding.params:
+            self._give_range(binding)
+
+    def release_group(self, fsdp_params: list) -> None:
+        """Give back every arena range any of ``fsdp_params`` holds (their all-gather was
+        dropped without a reshard, or did not complete): every parameter of such a range
+        is pointed back at its own empty memory, the range freed and every writer credited,
+        as a reshard would (on the stream current here)."""
+        from .. import fsdp_patch
+
+        bindings = {id(b): b for fp in fsdp_params if (b := self._bindings.get(id(fp)))}
+        for binding in bindings.values():
+            members = list(binding.params.values())
+            swap_storage_pairs([(fp.all_gather_outputs[0].untyped_storage(), held)
+                                for fp, held in members])  # fmt: skip
+            for fp, _ in members:
+                del self._bindings[id(fp)]
+                fsdp_patch.drop_unsharded(fp)
+            binding.params.clear()
+            self._give_range(binding)
+
+    def cancel_pending(self) -> None:
+        """An exception between :meth:`bind_in_place` and :meth:`gather`: forget the bound
+        plan (the next all-gather must not run it) and give its range back."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self.release_group([fp for fp, _ in pending[4].params.values()])
+
+    def _give_range(self, binding: _Binding) -> None:
         ip = self.in_place
         assert ip is not None and ip.writers is not None
         window = self.slots.window.tensor
@@ -261,27 +304,41 @@ class WindowTransport:
             ip.credit_comm.signal(peer, credit_stream)
         self.slots.counters.credits += len(ip.writers)
 
+    @property
+    def arena_in_use(self) -> int:
+        """Bytes of the arena held by unsharded groups now (0 without an arena)."""
+        return self.in_place.arena.in_use if self.in_place is not None else 0
+
     def detach_all(self) -> None:
         """Before the window is freed (``comm.remove``): every parameter still pointed at
-        the arena gets its bytes back in memory of its own (nothing lost)."""
+        the arena is pointed back at its own storage, which gets the bytes in memory of its
+        own (FSDP2's storage, resized by its allocator: no owning swap; nothing lost)."""
         from .. import fsdp_patch
 
-        if self._bindings and self.slots.window.tensor.device.type == "cuda":
-            torch.cuda.synchronize(self.slots.window.tensor.device)  # the puts have landed
-        for key, binding in list(self._bindings.items()):
-            fp, held = binding.params.pop(key)
-            del self._bindings[key]
-            fsdp_patch.drop_unsharded(fp)
-            storage = fp.all_gather_outputs[0].untyped_storage()
-            own = torch.empty(storage.nbytes(), dtype=torch.uint8, device=storage.device)
-            own.copy_(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage))
-            swap_storages(storage, held)
-            swap_storages(storage, own.untyped_storage())
-        if self.slots.window.tensor.device.type == "cuda":
-            torch.cuda.synchronize(self.slots.window.tensor.device)  # before the window goes
+        self._pending = None
+        if not self._bindings:
+            return
+        device = self.slots.window.tensor.device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the puts have landed
+        bindings = {id(b): b for b in self._bindings.values()}
+        for binding in bindings.values():
+            members = list(binding.params.values())
+            swap_storage_pairs([(fp.all_gather_outputs[0].untyped_storage(), held)
+                                for fp, held in members])  # fmt: skip
+            for fp, held in members:
+                del self._bindings[id(fp)]
+                fsdp_patch.drop_unsharded(fp)
+                storage = fp.all_gather_outputs[0].untyped_storage()
+                storage.resize_(held.nbytes())
+                own = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+                own.copy_(torch.empty(0, dtype=torch.uint8, device=device).set_(held))
+            binding.params.clear()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # before the window goes
 
     def _gather_in_place(self, group: dist.ProcessGroup, device: torch.device) -> None:
-        plan, offsets, shard_bytes, taken = self._pending
+        plan, offsets, shard_bytes, taken, _ = self._pending
         self._pending = None
         slots, ip = self.slots, self.in_place
         ops, ip.credits_seen = ag_in_place_ops(
