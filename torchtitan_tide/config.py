@@ -96,7 +96,7 @@ class Tide:
     exact fp32 partials. "bfloat16": each node's fp32 partial is rounded once to bf16 before
     it is sent (half the cross-node bytes), the owner accumulates in fp32; costs one bf16
     rounding (relative 2^-8) per other node's partial, also with fp32 gradients (measured
-    in docs/2026-12-02-rs-wire.md). No effect on one node."""
+    in docs/design/2026-12-02-rs-wire.md). No effect on one node."""
 
     slot_reuse: bool = _DEFAULT.slot_reuse
     """Copy engine: TIDE-RS stages gradients in TIDE-AG's symmetric slots instead of a
@@ -112,7 +112,7 @@ class Tide:
     unsharded storage, which lives in the window's arena until the reshard; the arena holds
     this many of the largest FSDP groups at once (4 covers root, last block, two in
     flight). An all-gather that finds it full places with copies (logged). 0: always copy
-    (docs/2026-12-04-windows.md)."""
+    (docs/design/2026-12-04-windows.md)."""
 
     install_timeout_s: int = _DEFAULT.install_timeout_s
     """Seconds each step of TIDE's collective set-up at install (node-local process

@@ -1,5 +1,5 @@
 """Check 3, ``one_sided``: the two NCCL behaviours TIDE's one-sided protocol relies on
-(docs/2026-12-02-one-sided.md), stress-tested between every pair of the cross-node tier.
+(docs/design/2026-12-02-one-sided.md), stress-tested between every pair of the cross-node tier.
 
 What the protocol assumes of a put (``put_signal``) and its signal:
 
