@@ -259,7 +259,7 @@ def one_sided_missing_reason() -> str | None:
     if code < MIN_VERSION:
         return (
             f"NCCL {version_text(code)} is loaded; the one-sided API needs NCCL >= 2.29 "
-            "(torch 2.12/2.13 bundle 2.29.7; under torch 2.11 see the README's NCCL section)"
+            "(torch 2.12/2.13 bundle 2.29.7; under torch 2.11 see docs/guide/install.md, NCCL)"
         )
     lib = _library()
     missing = [
