@@ -57,6 +57,18 @@ def test_every_cited_docs_path_exists():
     assert not dangling, "cited docs that do not exist:\n" + "\n".join(dangling)
 
 
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of the headings of ``page``: lower case, punctuation but ``-`` and
+    ``_`` dropped, spaces as ``-``."""
+    anchors, in_code = set(), False
+    for line in page.read_text().splitlines():
+        in_code ^= line.startswith("```")
+        if not in_code and line.startswith("#"):
+            text = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", text).replace(" ", "-"))
+    return anchors
+
+
 def test_relative_markdown_links_resolve():
     dangling, links = [], 0
     for path in _citing_files():
@@ -68,10 +80,14 @@ def test_relative_markdown_links_resolve():
                 if re.match(r"[a-z][a-z0-9+.-]*:|#", target):  # a URL or an anchor in the page
                     continue
                 links += 1
-                if not (path.parent / target.split("#", 1)[0]).exists():
+                file_part, _, anchor = target.partition("#")
+                linked = path.parent / file_part
+                if not linked.exists():
                     dangling.append(f"{path.relative_to(REPO)}:{number}: {target}")
+                elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+                    dangling.append(f"{path.relative_to(REPO)}:{number}: {target} (no heading)")
     assert links, "no relative Markdown link found: the pattern or the walk is broken"
-    assert not dangling, "relative links to nothing:\n" + "\n".join(dangling)
+    assert not dangling, "relative links to nothing (or to no heading):\n" + "\n".join(dangling)
 
 
 def test_readme_is_at_most_300_lines():
