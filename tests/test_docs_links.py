@@ -105,3 +105,11 @@ def test_the_guide_and_the_design_record_have_an_index():
         pages = {p.name for p in folder.glob("*.md")} - {"README.md"}
         linked = set(MD_LINK.findall(text))
         assert pages <= linked, f"{index} does not link {sorted(pages - linked)}"
+
+
+def test_docs_holds_the_guide_and_the_design_record_only():
+    loose = sorted(p.name for p in (REPO / "docs").iterdir() if p.is_file())
+    assert not loose, (
+        f"files directly under docs/: {loose}; a dated note goes to docs/design/ (and a line "
+        "in docs/design/README.md), a user page to docs/guide/ (and a row in its README.md)"
+    )
