@@ -73,7 +73,8 @@ class Tide:
     """What moves TIDE's cross-node traffic (TIDE-AG across nodes, TIDE-RS phase 2).
     "auto": NCCL's one-sided puts (no send/recv kernel: copy engine in reach of NVLink,
     NCCL's RMA proxy over IB/RoCE) where the loaded NCCL is >= 2.29 and reports host RMA
-    between the group's ranks, else point-to-point send/recv (the reason is logged). "p2p": always send/recv. "nccl_one_sided": one-sided or a named error.
+    between the group's ranks, else point-to-point send/recv (the reason is logged).
+    "p2p": always send/recv. "nccl_one_sided": one-sided or a named error.
     Only read when comm = "tide"."""
 
     reduce_scatter: str = _DEFAULT.reduce_scatter
