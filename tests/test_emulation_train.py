@@ -1,4 +1,5 @@
-"""Training runs of 2 emulated nodes through scripts/gpu/emulate.sh (docs/2026-12-02-emulation.md).
+"""Training runs of 2 emulated nodes through scripts/gpu/emulate.sh
+(docs/design/2026-12-02-emulation.md).
 
 On ONE GPU (markers ``gpu`` and ``emulation``): 2 launcher nodes x 1 rank, each its own
 NCCL node (``NCCL_HOSTID``, sockets on loopback), the debug Llama with bf16 parameters:
@@ -186,7 +187,7 @@ def test_stopped_node_ends_the_job_with_a_report_cpu(tmp_path):
 
 
 # N x L on ONE GPU as ONE NCCL node (NCCL >= 2.30 in torch's place: check.sh's nxl stage):
-# 4 launcher nodes of one rank that TIDE groups as 2 nodes x 2 (docs/2026-12-04-windows.md).
+# 4 launcher nodes of one rank that TIDE groups as 2 nodes x 2 (docs/design/2026-12-04-windows.md).
 NXL = ["--tide.local_world_size", "2"]
 
 

@@ -22,7 +22,7 @@ CKPT = ["--checkpoint.enable", "--checkpoint.interval", str(INTERVAL),
         "--comm.train_timeout_seconds", str(TIMEOUT_S)]  # fmt: skip
 # torch's torchrun waits 30 s between SIGTERM and SIGKILL of the workers left after a
 # failure, and a SIGSTOPped rank only goes at the SIGKILL; torchtitan_tide.torchrun waits
-# 5 s (docs/2026-12-01-failures.md). Which one ran shows in the launcher's command line.
+# 5 s (docs/design/2026-12-01-failures.md). Which one ran shows in the launcher's command line.
 TORCHRUN_GRACE_S = {"torchtitan_tide.torchrun": 5, "torch.distributed.run": 30}
 # TIDE's watchdog below the process-group timeout, so that a TIDE wait on the stopped rank
 # is reported by the watchdog (naming TIDE's operation) well before gloo's own timeout.

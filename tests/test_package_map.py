@@ -1,4 +1,4 @@
-"""docs/2026-12-02-package-map.md stays true, and the package's imports run one way.
+"""docs/design/2026-12-02-package-map.md stays true, and the package's imports run one way.
 
 The map's tables name every module of ``torchtitan_tide/``, ``models/`` and ``scripts/``
 (first column, in backticks: a path relative to the folder of the section heading, or from
@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MAP = REPO / "docs" / "2026-12-02-package-map.md"
+MAP = REPO / "docs" / "design" / "2026-12-02-package-map.md"
 MODULE_SUFFIXES = (".py", ".sh", ".sbatch")
 
 

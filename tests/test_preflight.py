@@ -1,4 +1,4 @@
-"""``run_train.sh --preflight`` (torchtitan_tide/preflight, docs/2026-12-04-preflight.md).
+"""``run_train.sh --preflight`` (torchtitan_tide/preflight, docs/design/2026-12-04-preflight.md).
 
 Fast: the launcher's preflight command, the rows' logic (versions that differ, the one-sided
 classification of a received slot), the test hooks' parsing, the cluster file the simulator

@@ -42,7 +42,7 @@ STEPS, INTERVAL, KILL_AFTER = 8, 3, 4  # checkpoints at 3 and 6; node loss after
 RUN = [*SMALL_RUN, "--training.steps", str(STEPS), "--checkpoint.enable",
        "--checkpoint.interval", str(INTERVAL), "--checkpoint.no-last-save-model-only",
        "--comm.train_timeout_seconds", str(TIMEOUT_S)]  # fmt: skip
-# The GPU lines of the template overridden for CPU nodes, as the README says.
+# The GPU lines of the template overridden for CPU nodes, as docs/guide/slurm-and-preflight.md says.
 CPU_PARTITION = ["--nodes=2", "--gpus-per-node=0"]
 JOB_TIMEOUT_S = 300
 
@@ -151,7 +151,7 @@ class Job:
 def submit(cluster: Cluster, tmp_path: Path, comm: str, *sbatch_options: str,
            script_args: tuple[str, ...] = ()) -> Job:  # fmt: skip
     """``CONFIG=debug_model ... sbatch --nodes=2 --gpus-per-node=0 [options] train.sbatch RUN``
-    (then ``script_args``) from the repository, as the README's CPU example."""
+    (then ``script_args``) from the repository, as the guide's CPU example."""
     folder, output = tmp_path / "run", tmp_path / "job.out"
     env = cpu_env(RANKS_PER_NODE, SLURM_CONF=str(cluster.conf), CONFIG="debug_model",
                   DUMP_FOLDER=str(folder), MASTER_PORT=str(free_port()))  # fmt: skip

@@ -49,9 +49,12 @@ class Tide:
     fallback on every rank."""
 
     ag_transport: str = _DEFAULT.transport
-    """TIDE-AG transport. "auto": copy engine between GPUs of one node, NCCL point-to-point
-    across nodes, gloo point-to-point on CPU. "copy_engine" | "nccl_p2p" | "gloo" force one.
-    Only read when comm = "tide"."""
+    """TIDE-AG transport (also TIDE-RS's node-local rounds). "auto", per FSDP group and
+    logged: NCCL windows (one-sided puts, copy engine in the node) across nodes and where
+    ranks share a GPU or lack CUDA P2P, if the loaded NCCL (>= 2.29) has host RMA; the copy
+    engine on one node of GPUs with P2P; point-to-point send/recv otherwise (gloo on CPU).
+    "nccl_windows" | "copy_engine" | "nccl_p2p" | "gloo" force one (a named error where it
+    cannot run). Only read when comm = "tide"."""
 
     local_world_size: int = 0
     """Ranks per node as TIDE sees them. 0: detect (each rank's kernel boot id and launcher
@@ -63,14 +66,15 @@ class Tide:
 
     ag_pacing: int = _DEFAULT.pacing
     """TIDE-AG cross-node pacing: the most point-to-point chunks in flight per
-    recursive-doubling step. 0: no limit. Only read when comm = "tide"."""
+    recursive-doubling step (on NCCL windows: entries put per wave). 0: no limit. Only read
+    when comm = "tide"."""
 
     cross_node_transport: str = _DEFAULT.cross_node_transport
-    """What moves TIDE's cross-node traffic (TIDE-AG of groups with one rank per node,
-    TIDE-RS phase 2). "auto": NCCL's one-sided puts (no send/recv kernel: copy engine in
-    reach of NVLink, NCCL's RMA proxy over IB/RoCE) where the loaded NCCL is >= 2.29 and
-    reports host RMA between the group's ranks, else point-to-point send/recv (the reason
-    is logged). "p2p": always send/recv. "nccl_one_sided": one-sided or a named error.
+    """What moves TIDE's cross-node traffic (TIDE-AG across nodes, TIDE-RS phase 2).
+    "auto": NCCL's one-sided puts (no send/recv kernel: copy engine in reach of NVLink,
+    NCCL's RMA proxy over IB/RoCE) where the loaded NCCL is >= 2.29 and reports host RMA
+    between the group's ranks, else point-to-point send/recv (the reason is logged).
+    "p2p": always send/recv. "nccl_one_sided": one-sided or a named error.
     Only read when comm = "tide"."""
 
     reduce_scatter: str = _DEFAULT.reduce_scatter
@@ -96,11 +100,11 @@ class Tide:
     exact fp32 partials. "bfloat16": each node's fp32 partial is rounded once to bf16 before
     it is sent (half the cross-node bytes), the owner accumulates in fp32; costs one bf16
     rounding (relative 2^-8) per other node's partial, also with fp32 gradients (measured
-    in docs/2026-12-02-rs-wire.md). No effect on one node."""
+    in docs/design/2026-12-02-rs-wire.md). No effect on one node."""
 
     slot_reuse: bool = _DEFAULT.slot_reuse
-    """Copy engine: TIDE-RS stages gradients in TIDE-AG's symmetric slots instead of a
-    buffer of its own."""
+    """Copy engine and NCCL windows: TIDE-RS stages gradients in TIDE-AG's slots instead
+    of a buffer of its own."""
 
     slot_barrier: str = _DEFAULT.slot_barrier
     """Copy engine: how local peers synchronize on the slots. "copy_engine": stream
@@ -112,7 +116,7 @@ class Tide:
     unsharded storage, which lives in the window's arena until the reshard; the arena holds
     this many of the largest FSDP groups at once (4 covers root, last block, two in
     flight). An all-gather that finds it full places with copies (logged). 0: always copy
-    (docs/2026-12-04-windows.md)."""
+    (docs/design/2026-12-04-windows.md)."""
 
     ag_storage_swap: str = _DEFAULT.ag_storage_swap
     """How TIDE-AG in place points a parameter's storage at the window's arena. "native"

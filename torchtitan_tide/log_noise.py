@@ -5,7 +5,7 @@ The training entry point calls :func:`install_noise_filters` after TorchTitan's
 or the CPU shim; on any device, deprecation notes of libraries we pin), shows a
 re-looping dataset once at INFO instead of every pass, and logs one line naming what it
 hides. ``TIDE_LOG_ALL=1`` keeps every message. Everything else passes unchanged; the
-README ("Messages you may see") explains the messages that stay.
+docs/guide/failures-and-messages.md ("Messages you may see") explains the messages that stay.
 """
 
 import logging
@@ -89,7 +89,7 @@ def install_noise_filters(device_type: str, logger: logging.Logger | None = None
     names = [m.text for m in messages if not m.once] + [m.text for m in hidden_warnings]
     line = (
         f"torchtitan-tide: hiding known-harmless messages on {device_type} "
-        f"({'; '.join(names)}); TIDE_LOG_ALL=1 shows them (README: Messages you may see)"
+        f"({'; '.join(names)}); TIDE_LOG_ALL=1 shows them (docs/guide/failures-and-messages.md)"
     )
     logger.info(line)  # before the filter, which would drop this line (it names them)
     logger.addFilter(KnownNoiseFilter(messages))

@@ -151,7 +151,7 @@ def nccl_version_string() -> str:
     except (RuntimeError, AttributeError) as exc:
         built = f"unknown ({exc})"
     # ncclGetVersion of the library this process mapped: torch reports the version it
-    # was built against, also after the library was replaced (README, NCCL section).
+    # was built against, also after the library was replaced (docs/guide/install.md, NCCL).
     loaded = nccl_rma.version_text(nccl_rma.nccl_version())
     if loaded in ("none", built):
         return f"NCCL {built}"

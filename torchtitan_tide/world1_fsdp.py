@@ -11,7 +11,7 @@ the whole model (optimizer, grad-norm clip and FSDP2's layout copies work on N t
 rank's numel) and the collectives have no peer (copies inside one GPU).
 
 This is for benchmarks (``scripts/bench/bench_step.py --fsdp-at-world-size-1``; the
-simulator reports the in-step level such a step measures, docs/2026-12-02-simulator.md),
+simulator reports the in-step level such a step measures, docs/design/2026-12-02-simulator.md),
 not for training runs.
 :func:`install` patches two named members of ``ParallelDims`` (reversible:
 :func:`uninstall`); the training entry point calls it when the variable is set and

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import os
 
-# NVLink multicast must stay off on these machines (docs/2026-11-29-h200-facts.md); set
+# NVLink multicast must stay off on these machines (docs/design/2026-11-29-h200-facts.md); set
 # before anything touches CUDA, inherited by the spawned workers.
 os.environ["NCCL_NVLS_ENABLE"] = "0"
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"

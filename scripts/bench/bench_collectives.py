@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common
-import harness  # on import: NVLink multicast off (docs/2026-11-29-h200-facts.md)
+import harness  # on import: NVLink multicast off (docs/design/2026-11-29-h200-facts.md)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ interleaved). Writes ``<date>_<machine>_<commit>_floor_<config>.{json,md,png}``:
         [--out-dir bench/results] [--model.flavor debugmodel ...]
 
 Arguments this script does not know are TorchTitan config overrides. Docs:
-docs/2026-12-01-compute-floor.md.
+docs/design/2026-12-01-compute-floor.md.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def fill_zero_parameters(model: nn.Module, std: float, seed: int) -> list[str]:
     makes every gradient above it exactly zero until the optimizer's first step moves it:
     timed on such a model, backward multiplies zeros, draws less power and runs faster
     than in training (measured 2026-12-03: Wan2.2's backward kernels took x 1.12-1.15 as
-    long in a training step, docs/2026-12-02-simulator.md, "2026-12-03, third session")."""
+    long in a training step, docs/design/2026-12-02-simulator.md, "2026-12-03, third session")."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     filled = []
     with torch.no_grad():

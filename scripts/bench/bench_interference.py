@@ -56,7 +56,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_collectives
 import common
-import harness  # on import: NVLink multicast off (docs/2026-11-29-h200-facts.md)
+import harness  # on import: NVLink multicast off (docs/design/2026-11-29-h200-facts.md)
 
 # name -> (M, K, N); a grouped GEMM: (experts, M per expert, K, N)
 GEMMS: dict[str, tuple[int, ...]] = {
@@ -441,7 +441,7 @@ def write_outputs(results: dict, final: bool) -> str:
         "counts when it ends before the collective's end event. alone / beside ms: median "
         "GEMM time (beside: median of the two round medians); slowdown = beside / alone - 1. "
         "Collective ms: issue to end event, without / with the GEMM burst. "
-        "docs/2026-11-29-h200-facts.md reference (2x H200): single-wave 0.18 ms alone, +121% beside NCCL RS, +43% beside a "
+        "docs/design/2026-11-29-h200-facts.md reference (2x H200): single-wave 0.18 ms alone, +121% beside NCCL RS, +43% beside a "
         "copy-engine copy; 8192^3 1.40 ms, +15% / +9%.\n"
     )
     charts = []

@@ -392,7 +392,7 @@ def write_outputs(
         + (
             " Breakdown: the profiled step on its compute stream (compute, optimizer, "
             "exposed communication, host-bound and other idle sum to the profiled step; "
-            "docs/2026-12-01-compute-floor.md)."
+            "docs/design/2026-12-01-compute-floor.md)."
             if any(r.get("bd_step_ms") is not None for r in rows)
             else ""
         )

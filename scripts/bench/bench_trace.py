@@ -24,7 +24,7 @@ use it with ``--world-size 1``. The simulator's world-1 rows read it.
 on a GPU as warm as a training job's. The H200 is power-capped: its SM clock follows the
 power the work draws. On one H200 (2026-12-03) 75 s of heat left the Wan2.2 trace within
 0.2% of a cool one, while the same kernels ran 7% slower inside a training step
-(docs/2026-12-02-simulator.md). With ``nvidia-smi`` the timed iterations' SM clock,
+(docs/design/2026-12-02-simulator.md). With ``nvidia-smi`` the timed iterations' SM clock,
 temperature and power are recorded (``clock``), to read a trace beside its clock.
 
 ``--kernels TOP`` (CUDA) profiles one more fwd+bwd after the timed ones and keeps its

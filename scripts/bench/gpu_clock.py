@@ -3,7 +3,7 @@
 The H200s we measure on are power-capped: the same kernels run at different SM clocks
 depending on the power the work around them draws (on one H200 a Wan2.2 trace ran at ~1900
 MHz and 640 W, the same kernels in a training step at ~1740 MHz and 690 W;
-docs/2026-12-02-simulator.md, 2026-12-03). A timing is only comparable with another
+docs/design/2026-12-02-simulator.md, 2026-12-03). A timing is only comparable with another
 when the clock state beside it is known. :class:`ClockSampler` runs ``nvidia-smi`` (a
 read-only query, every ``period_ms``) in a child process; :meth:`ClockSampler.window`
 summarizes the samples between two wall-clock times. Without ``nvidia-smi`` (CPU

@@ -15,8 +15,8 @@
 
 Importing this module turns NVLink multicast off for the process and the workers it
 spawns (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``,
-``NVSHMEM_DISABLE_NVLS=1``: docs/2026-11-29-h200-facts.md); import it before anything creates a
-CUDA context or a communicator.
+``NVSHMEM_DISABLE_NVLS=1``: docs/design/2026-11-29-h200-facts.md); import it before anything
+creates a CUDA context or a communicator.
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def _exit_after_teardown() -> None:
     """End a rank whose work, final barrier and process-group teardown succeeded, without
     the interpreter's finalization (logs and stdio flushed first): once on CPU CI (torch
     2.13, gloo, a profiled bench) a rank aborted there with "terminate called without an
-    active exception" after its results were written (docs/2026-12-06-bench-exit.md).
+    active exception" after its results were written (docs/design/2026-12-06-bench-exit.md).
     Failures still raise out of :func:`_entry` and end the rank as before."""
     logging.shutdown()
     sys.stdout.flush()

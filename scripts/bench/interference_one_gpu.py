@@ -323,7 +323,7 @@ def write(results: dict[str, Any], rows: list[dict[str, Any]], stem: str) -> int
         "against the alone bursts at the same positions; side: its device time beside / "
         "alone. nccl_like_N: a persistent Triton copy kernel on N CTAs (NCCL's ring: 24, "
         "symmetric RS: 9) standing for NCCL's kernels; copy_engine: a device-to-device copy "
-        "(local HBM read + write). Read by the simulator (docs/2026-12-04-simulator.md).\n"
+        "(local HBM read + write). Read by the simulator (docs/design/2026-12-04-simulator.md).\n"
     )
     charts = [common.BarChart(f"compute slowdown beside {side}",
                               [r["compute"] for r in rows if r["side"] == side],

@@ -22,7 +22,7 @@ time) into five parts that sum to the window:
 compute row: the step's first all-gather), ``exposed_last_ms`` (after the last
 forward/backward row: the last reduce-scatters and the clip's all-reduce) and
 ``exposed_between_ms``. ``comm_busy_ms`` is the time any other stream is busy and
-``comm_hidden_ms`` the part of it under compute-stream work. docs/2026-12-01-compute-floor.md
+``comm_hidden_ms`` the part of it under compute-stream work. docs/design/2026-12-01-compute-floor.md
 explains the categories. A pure function over trace events: no torch, no files.
 """
 

@@ -10,7 +10,7 @@
 # Stages (default: all, in this order) and their rough time on 2x H200:
 #   tests         GPU-marked pytest tests (incl. every benchmark at a small size)  ~2-3 min
 #                 (1 GPU: the 2-GPU tests skip; the rest ~1.5 min); not the emulation ones
-#   emulation     multi-node paths on GPU 0 (docs/2026-12-02-emulation.md)          < 5 min
+#   emulation     multi-node paths on GPU 0 (docs/design/2026-12-02-emulation.md)          < 5 min
 #                 1. `-m "gpu and emulation and not one_node"` on the bundled NCCL: emulated
 #                    nodes (NCCL_HOSTID) parity vs FSDP2, training losses, stopped node
 #                 2. `-m "gpu and emulation and one_node"` (ranks of ONE NCCL node sharing the
@@ -26,7 +26,7 @@
 #                 path (p2p, one-sided; fp32 and bf16 RS wire) vs fsdp2, two emulated nodes
 #                 on GPU 0 that NCCL sees as one node (.nccl/'s NCCL swapped in)     ~1.5 min
 #   nxl           not in the default list: N nodes x L ranks on GPU 0 as ONE NCCL node, TIDE
-#                 on NCCL windows (docs/2026-12-04-windows.md), .nccl/'s NCCL swapped in:
+#                 on NCCL windows (docs/design/2026-12-04-windows.md), .nccl/'s NCCL swapped in:
 #                 NXL_PARTS="tests" runs `-m "gpu and nxl"` (2x2, 3x2, 2x4, 4x2 parity with
 #                 Llama and Qwen3 MoE, HSDP, EP; 20-step losses; a stopped rank) ~8 min;
 #                 NXL_PARTS="bench" bench_cross_node --layout per NXL_LAYOUTS (2x2 2x4) and
@@ -167,7 +167,7 @@ if has emulation; then
     note "  $(grep -E '(passed|failed|skipped|error)' "$LOGS/emulation_one_node.log" | tail -1)"
     bundled_nccl_back nccl_restored
   else
-    note "emulation_one_node: skipped (no .nccl/ with NCCL >= 2.30: carry it, docs/2026-12-02-emulation.md)"
+    note "emulation_one_node: skipped (no .nccl/ with NCCL >= 2.30: carry it, docs/design/2026-12-02-emulation.md)"
   fi
 fi
 
@@ -235,7 +235,7 @@ if has nxl; then
     fi
     bundled_nccl_back nccl_restored_nxl
   else
-    note "nxl: skipped (no .nccl/ with NCCL >= 2.30: carry it, docs/2026-12-04-windows.md)"
+    note "nxl: skipped (no .nccl/ with NCCL >= 2.30: carry it, docs/design/2026-12-04-windows.md)"
   fi
 fi
 
@@ -260,7 +260,7 @@ if has trace; then
 fi
 
 # What the one-GPU trainer runs (no FSDP: fp32 weights under autocast), for the simulator's
-# world-1 rows and its per-step trainer-time input (docs/2026-12-02-simulator.md): layer
+# world-1 rows and its per-step trainer-time input (docs/design/2026-12-02-simulator.md): layer
 # traces at world 1, and a profiled world-1 fsdp2 step (breakdown) of each WORLD1_STEP_CONFIGS.
 if has world1; then
   first_gpu="${CUDA_VISIBLE_DEVICES:-0}"

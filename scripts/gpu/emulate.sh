@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Emulated nodes on ONE GPU: N launcher "nodes" of one rank each, all on the same GPU, each
-# running ./run_train.sh with its own NODE_RANK (docs/2026-12-02-emulation.md).
+# running ./run_train.sh with its own NODE_RANK (docs/design/2026-12-02-emulation.md).
 #
 #   scripts/gpu/emulate.sh [--nodes N] [--mode nodes|one_node] [--grace S] [--dry-run] \
 #       [--] --config debug_model --tide.comm tide [more run_train.sh arguments]

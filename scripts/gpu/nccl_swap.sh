@@ -5,7 +5,7 @@
 #
 # SRC_DIR holds the build as split xz parts (libnccl.so.2.xz.part00, part01, ...) and
 # sha256.txt (a "HASH  .../libnccl.so.2" line for the library), as the project carries
-# NCCL 2.30.7 in the ignored folder .nccl/ (docs/2026-12-02-emulation.md). The library is
+# NCCL 2.30.7 in the ignored folder .nccl/ (docs/design/2026-12-02-emulation.md). The library is
 # unpacked, checked against its hash, and moved over torch's libnccl.so.2 (the nvidia-nccl
 # wheel's file; LD_PRELOAD does not take: torch binds its RPATH copy). The bundled file is
 # backed up first and restored when this script exits, whatever the command did (trap

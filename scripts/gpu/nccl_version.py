@@ -1,7 +1,7 @@
 """Which NCCL torch runs here: NCCL's own version line, from a 1-rank communicator made with
 ``NCCL_DEBUG=VERSION``, and the version the loaded library reports (``ncclGetVersion``),
 beside what torch was built with (``torch.cuda.nccl.version()``, which does not change when
-the library file is swapped: docs/2026-12-02-emulation.md).
+the library file is swapped: docs/design/2026-12-02-emulation.md).
 
     python3 scripts/gpu/nccl_version.py
 

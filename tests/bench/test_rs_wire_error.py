@@ -1,5 +1,5 @@
 """scripts/bench/rs_wire_error.py: the pure parts (bytes from the plan, gradient draws).
-The benchmark itself runs in minutes on CPU (docs/2026-12-02-rs-wire.md)."""
+The benchmark itself runs in minutes on CPU (docs/design/2026-12-02-rs-wire.md)."""
 
 from __future__ import annotations
 

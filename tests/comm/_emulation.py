@@ -1,4 +1,5 @@
-"""Several processes on ONE GPU as the ranks of a multi-node job (docs/2026-12-02-emulation.md).
+"""Several processes on ONE GPU as the ranks of a multi-node job
+(docs/design/2026-12-02-emulation.md).
 
 Two modes (:data:`MODES`), each process one rank and its own launcher "node" (as
 ``scripts/gpu/emulate.sh`` starts ``run_train.sh`` once per node with ``NGPU=1``):

@@ -54,7 +54,7 @@ def _entry(rank: int, world_size: int, port: int, device_type: str, fn, args) ->
     os.environ.pop("LOCAL_WORLD_SIZE", None)
     torch.set_num_threads(1)
     if device_type == "cuda":
-        # NVLink multicast must stay off on these machines (docs/2026-11-29-h200-facts.md).
+        # NVLink multicast must stay off on these machines (docs/design/2026-11-29-h200-facts.md).
         for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                      ("NVSHMEM_DISABLE_NVLS", "1")):  # fmt: skip
             os.environ.setdefault(k, v)

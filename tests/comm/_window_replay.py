@@ -1,7 +1,7 @@
 """Replay every rank's window ops (``comm/window_rounds.py``) as the GPU would run them, and
 check them: no data race, every read sees the bytes it expects, no deadlock.
 
-Semantics replayed (NCCL's, docs/2026-12-04-windows.md): the ops of one (rank, stream) run in
+Semantics replayed (NCCL's, docs/design/2026-12-04-windows.md): the ops of one (rank, stream) run in
 issue order; ``Fork(src, dst)``: ``dst`` waits for what was issued on ``src`` before it; a
 put writes the peer's window, then raises one signal; signals from one rank to a peer are
 numbered in issue order; a ``Wait``'s target is the peer's cumulative signal count, fixed

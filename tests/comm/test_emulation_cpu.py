@@ -1,4 +1,4 @@
-"""The pieces of the one-GPU emulation that run without a GPU (docs/2026-12-02-emulation.md):
+"""The pieces of the one-GPU emulation that run without a GPU (docs/design/2026-12-02-emulation.md):
 the per-node environment (tests/comm/_emulation.py and scripts/gpu/emulate.sh agree), the
 command lines emulate.sh builds, the NCCL swap script (dry run, and a real swap of a stand-in
 library file: swapped while the command runs, restored after, whatever it returned), the NCCL

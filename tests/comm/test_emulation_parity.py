@@ -1,5 +1,5 @@
 """TIDE's multi-node path against stock FSDP2 on ONE GPU: emulated nodes
-(tests/comm/_emulation.py, docs/2026-12-02-emulation.md).
+(tests/comm/_emulation.py, docs/design/2026-12-02-emulation.md).
 
 N processes on GPU 0, each its own node to NCCL (``NCCL_HOSTID``, sockets on loopback)
 and to TIDE (its own launcher node), train a Llama-shaped model and the Qwen3 MoE model
@@ -124,7 +124,7 @@ def test_emulated_nodes_parity(tmp_path, nodes):
 
 # The one-node test's TIDE runs: ([tide] keys, the TIDE-AG transport class every group
 # must use). Under "auto" NCCL >= 2.30 sees host RMA within this one node and takes the
-# NCCL windows (docs/2026-12-04-windows.md), so each transport is named here.
+# NCCL windows (docs/design/2026-12-04-windows.md), so each transport is named here.
 ONE_NODE_RUNS = [
     ({"cross_node_transport": "p2p"}, "P2PTransport"),
     ({"cross_node_transport": "nccl_one_sided"}, "WindowTransport"),

@@ -1,4 +1,5 @@
-"""The one-sided cross-node transport (NCCL put/signal) on ONE GPU (docs/2026-12-02-one-sided.md).
+"""The one-sided cross-node transport (NCCL put/signal) on ONE GPU
+(docs/design/2026-12-02-one-sided.md).
 
 Two processes share GPU 0. ``one_node``: NCCL sees one node (``NCCL_MULTI_RANK_GPU_ENABLE=1``,
 needs NCCL >= 2.30 in torch's place: check.sh's emulation stage swaps it in) and moves the
@@ -266,7 +267,8 @@ def test_stopped_peer_inside_a_one_sided_wait_ends_the_job(tmp_path):
 
 
 def _bf16_wire(rank: int, world_size: int) -> None:
-    """[tide] rs_wire_dtype = "bfloat16" over the one-sided phase 2 (docs/2026-12-02-rs-wire.md).
+    """[tide] rs_wire_dtype = "bfloat16" over the one-sided phase 2
+    (docs/design/2026-12-02-rs-wire.md).
     One rank per TIDE node with bf16 gradients: each partial is one bf16 gradient, so the
     rounding is exact and every gradient equals the fp32 wire's bitwise, at half the put
     bytes; the rounded partial is put from the window (``wire_slot``)."""

@@ -438,7 +438,7 @@ def test_train_entry_sets_the_cta_policy_before_any_process_group():
 # ---------------------------------------------------------------- GPU
 
 # Every FSDP group's all-gather output is >= 8 MB of bf16 (root: 4096 x 1024 embedding;
-# layers: 8.4M parameters), the regime docs/2026-11-29-h200-facts.md measured the kernels in.
+# layers: 8.4M parameters), the regime docs/design/2026-11-29-h200-facts.md measured the kernels in.
 VOCAB, DIM, HIDDEN, LAYERS, STEPS = 4096, 1024, 4096, 4, 6
 
 
@@ -637,7 +637,8 @@ def test_gpu_buffers_are_symmetric(runs, variant):
 @pytest.mark.skipif(not TWO_GPUS, reason="needs >= 2 CUDA GPUs")
 def test_gpu_kernels_in_the_profiler(runs):
     """(c) Kernels of the two profiled steps (all names printed above with -s). Asserted
-    only what was measured on the 2x H200 (torch 2.11, NCCL 2.28.9, docs/2026-11-29-h200-facts.md):
+    only what was measured on the 2x H200 (torch 2.11, NCCL 2.28.9,
+    docs/design/2026-11-29-h200-facts.md):
     stock runs NCCL all-gather and reduce-scatter kernels; symmetric buffers with
     NCCL_CTA_POLICY=2 leave no all-gather kernel (copy engine) and a symmetric ("Symk")
     reduce-scatter kernel; without the policy both collectives are symmetric kernels."""

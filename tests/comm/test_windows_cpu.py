@@ -113,7 +113,7 @@ def _parity_worker(rank: int, world: int, lws: int, tolerance: float, extra: dic
 )  # fmt: skip
 def test_windows_parity_with_fsdp2(world, lws, extra):
     # two ranks add in one order only; more reduce in another order than gloo; a bf16 wire
-    # rounds each node's partial once (docs/2026-12-02-rs-wire.md)
+    # rounds each node's partial once (docs/design/2026-12-02-rs-wire.md)
     tolerance = 0.0 if world == 2 else 1e-2 if extra.get("rs_wire_dtype") else 1e-5
     # an arena of one group's size runs full whenever two groups are unsharded at once
     # (prefetch, reshard_after_forward=False): those all-gathers take the placement path

@@ -2,7 +2,7 @@
 sees as ONE node (``NCCL_MULTI_RANK_GPU_ENABLE=1``, NCCL >= 2.30 in torch's place:
 scripts/gpu/check.sh's ``nxl`` stage swaps it in), TIDE told the layout
 (``local_world_size = L``): both tiers run TIDE's own code on NCCL windows, node-local
-puts and cross-node puts by copy engine (docs/2026-12-04-windows.md). At one rank per node
+puts and cross-node puts by copy engine (docs/design/2026-12-04-windows.md). At one rank per node
 (3x1, 4x1) the all-gather goes in place (the default, ``[tide] ag_in_place_groups = 4``):
 every shard put straight into the parameters' storage on the window's arena, asserted from
 the transport's counters and install's log of the storage swap it took (torch 2.11 has no

@@ -9,7 +9,7 @@ its groups with that rank's message, and frees what was set up. Nothing collecti
 when no group can use TIDE. The state of one model (slots, node-local groups, the bypass
 hook) is owned by its :class:`TideContext`, dropped by :func:`uninstall`; the groups
 are marked for the wrappers with ``fsdp_patch.mark``. Decisions:
-docs/2026-12-01-cluster-layouts.md.
+docs/design/2026-12-01-cluster-layouts.md.
 """
 
 from __future__ import annotations

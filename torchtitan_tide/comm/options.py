@@ -60,7 +60,7 @@ class TideOptions:
         logged per group; a failed window set-up falls back to what it would take without.
         ``"nccl_windows"``: TIDE-AG and TIDE-RS's node-local rounds as one-sided puts into
         ONE registered NCCL window per process group (copy engine in the node, NCCL's RMA
-        proxy across nodes: no SM kernel; docs/2026-12-04-windows.md); a named error where
+        proxy across nodes: no SM kernel; docs/design/2026-12-04-windows.md); a named error where
         it cannot run.
         ``"copy_engine"``: force the copy engine (peers pull from torch's symmetric memory
         with one ``cudaMemcpyBatchAsync``; its cross-node phase is send/recv).
@@ -89,7 +89,7 @@ class TideOptions:
         NCCL is >= 2.29 and reports host RMA between every pair of the group's ranks; else
         point-to-point send/recv, with the reason logged. ``"p2p"``: always send/recv.
         ``"nccl_one_sided"``: the one-sided path or a named error at ``comm.apply``.
-        Docs: docs/2026-12-04-windows.md.
+        Docs: docs/design/2026-12-04-windows.md.
     reduce_scatter:
         ``"tide"``: TIDE-RS (bf16 gradients read where autograd left them,
         reduced into fp32 shards; node-local phase on the AG transport, then
@@ -115,7 +115,7 @@ class TideOptions:
         is rounded once (round to nearest even) to bf16 before it is sent, half
         the bytes; the owner still accumulates in fp32. The error is one bf16
         rounding (relative 2**-8) of every other node's partial
-        (docs/2026-12-02-rs-wire.md). fp32 gradients are rounded too. The
+        (docs/design/2026-12-02-rs-wire.md). fp32 gradients are rounded too. The
         node-local phase is unchanged (it moves the gradients in their dtype).
     slot_reuse:
         Copy engine and NCCL windows: TIDE-RS stages gradients in the same slots
@@ -131,7 +131,7 @@ class TideOptions:
     ag_in_place_groups:
         NCCL windows at one rank per node: TIDE-AG puts every shard straight into its
         parameter's unsharded storage, which then lives in the window's arena until FSDP2
-        reshards the group (no pack, no placement copy; docs/2026-12-04-windows.md). The
+        reshards the group (no pack, no placement copy; docs/design/2026-12-04-windows.md). The
         arena holds this many of the largest groups at once (4 covers the root group, the
         last block and two in flight); an all-gather that finds it full places its shards
         with copies, logged. ``0``: every all-gather places (no arena). Default 4.
@@ -213,7 +213,7 @@ def validate_options(options: TideOptions) -> None:
     _integer(options, "rs_inflight", 1)
     _choice(options, "rs_wire_dtype", RS_WIRE_DTYPES,
             "; 'bfloat16' halves TIDE-RS's cross-node bytes at one bf16 rounding of each "
-            "node's partial (docs/2026-12-02-rs-wire.md)")  # fmt: skip
+            "node's partial (docs/design/2026-12-02-rs-wire.md)")  # fmt: skip
     if not isinstance(options.slot_reuse, bool):
         raise TideOptionError(
             f"{option_label('slot_reuse')} = {options.slot_reuse!r} is not a boolean; "

@@ -25,7 +25,7 @@ of the same local index on its node through the cross-node transport
 added into the output (in fp32). On the wire the
 partial is fp32, or with ``[tide] rs_wire_dtype = "bfloat16"`` rounded once to
 bf16 (:func:`round_to_wire`: half the bytes, one bf16 rounding per partial;
-docs/2026-12-02-rs-wire.md). It runs on its own stream:
+docs/design/2026-12-02-rs-wire.md). It runs on its own stream:
 phase 1 of the next chunk or FSDP group never waits for it, only for a free
 buffer of the ``rs_inflight`` ring.
 
@@ -295,7 +295,7 @@ def rs_numerics_note(
     default), so with bf16 parameters over fp32 master weights its reduce-scatter sums
     in bf16 and casts the bf16 sum to fp32. TIDE-RS moves the same bf16 gradients but
     always accumulates in fp32 and keeps the fp32 sum: closer to the exact sum, not
-    bitwise FSDP2's (docs/2026-12-01-cluster-layouts.md)."""
+    bitwise FSDP2's (docs/design/2026-12-01-cluster-layouts.md)."""
     bf16_grads = bool(grads) and grads[0].dtype == torch.bfloat16
     if reduce_dtype is None and bf16_grads and orig_dtype == torch.float32:
         return (

@@ -5,7 +5,7 @@ Pure Python (no torch). The one description of the schedule the code runs: the s
 simulator (``torchtitan_tide/simulator/step.py``) models whatever :data:`CURRENT` says,
 and the implementation's docstrings (``all_gather.py``, ``reduce_scatter.py``,
 ``transport/``) describe the same phases. Change the code's schedule and this module
-together (docs/2026-12-04-simulator.md).
+together (docs/design/2026-12-04-simulator.md).
 
 Engines (what does the work; the simulator charges each as measured for it):
 
@@ -24,7 +24,7 @@ Two schedules:
   copies every entry from the window into the parameters' storage: one after the other
   on TIDE's stream.
 - :data:`PIPELINED` (the code since 2026-12-04, ``transport/windows.py`` running
-  ``window_rounds.ag_round_ops``; docs/2026-12-04-windows.md): TIDE-AG's cross-node
+  ``window_rounds.ag_round_ops``; docs/design/2026-12-04-windows.md): TIDE-AG's cross-node
   recursive doubling by one-sided puts between rail peers in waves of at most ``[tide]
   ag_pacing`` entries (0: one wave per step); after each wave's arrival its entries are
   fanned out to the L-1 local peers by copy-engine puts (the puts' stream) and placed

@@ -1,6 +1,7 @@
 """``comm = "symm_mem"``: stock FSDP2 with its collective buffers in NCCL symmetric memory.
 
-The strongest public FSDP2 baseline (docs/2026-11-29-h200-facts.md and docs/2026-11-30-symm-mem.md). FSDP2 keeps its flat
+The strongest public FSDP2 baseline (docs/design/2026-11-29-h200-facts.md and
+docs/design/2026-11-30-symm-mem.md). FSDP2 keeps its flat
 rank-major buffers, copy-in, copy-out and streams; only the buffers change: they come from
 ``torch.distributed._symmetric_memory``'s NCCL pool (memory NCCL registers as a window) and
 are rendezvoused before each collective, so a plain ``all_gather_into_tensor`` /

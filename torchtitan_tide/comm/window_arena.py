@@ -16,7 +16,7 @@ puts there (``FreeRange.credit``; ranges merged on release keep the larger numbe
 is what waiting for "at least k" needs). ``events`` are the release points on the releasing
 rank's own streams, for its own writes into the range (the cast of its own shard): opaque
 here, one per stream key (the latest release on a stream covers the earlier ones).
-Decisions: docs/2026-12-04-windows.md.
+Decisions: docs/design/2026-12-04-windows.md.
 """
 
 from __future__ import annotations

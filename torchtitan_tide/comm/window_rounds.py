@@ -3,7 +3,7 @@
 Pure Python (no torch, no ``torch.distributed``): the window transport
 (``transport/windows.py``) runs these ops on CUDA streams or on the CPU stand-in, and the
 tests replay every rank's ops against a checker of reads, writes and signals
-(``tests/comm/_window_replay.py``). Decisions: docs/2026-12-04-windows.md.
+(``tests/comm/_window_replay.py``). Decisions: docs/design/2026-12-04-windows.md.
 
 Window of one rank of a process group laid out as ``num_nodes x local_world_size``
 (identical offsets on every rank; byte offsets, areas 256-byte aligned):

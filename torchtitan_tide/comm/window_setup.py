@@ -28,7 +28,7 @@ Test hooks (:data:`FAIL_ON`) plant a failure at any step on chosen ranks.
 The API is NCCL's one-sided calls (``transport/nccl_rma.py``) for CUDA tensors on an NCCL
 group, or the CPU stand-in (``transport/rma_standin.py``) for CPU tensors on a gloo group
 when ``TIDE_RMA_STANDIN=1`` (tests and the CPU preflight). Decisions:
-docs/2026-12-04-windows.md.
+docs/design/2026-12-04-windows.md.
 """
 
 from __future__ import annotations

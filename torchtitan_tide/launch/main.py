@@ -23,7 +23,7 @@ kept with a warning. When stdout is not a terminal (a batch job's log file) Torc
 colour codes are off unless the run sets ``metrics.disable_color_printing``.
 
 ``--preflight`` runs, on the same world and config, checks of TIDE's assumptions instead of
-training (``torchtitan_tide/preflight``; README "Before the first real run"): what each rank
+training (``torchtitan_tide/preflight``; docs/guide/slurm-and-preflight.md): what each rank
 has (torch, NCCL, driver, GPU, nodes), which path each tier gets, the one-sided protocol
 under stress, sharded gradients of ``tide`` vs ``fsdp2``, and collective rates with the
 simulator's prediction for this cluster. Rank 0 prints one table and writes it as JSON under

@@ -1,6 +1,6 @@
 """``run_train.sh --config NAME --preflight``: TIDE's assumptions checked on the user's own
 cluster, on the training run's world and config, before the first real run
-(docs/2026-12-04-preflight.md).
+(docs/design/2026-12-04-preflight.md).
 
 Imports run one way, top to bottom: ``main`` (the order of a run, the table) -> ``rates``
 (collectives per tier, cluster file, simulator) -> ``parity`` (tide vs fsdp2 gradients) /

@@ -37,7 +37,7 @@ VERSION_KEYS = {
         "NCCL (loaded library)",
         ("make every node load the same NCCL: another NCCL on one node is the classic cause "
          "of a stall; check LD_PRELOAD, LD_LIBRARY_PATH and site-packages/nvidia/nccl on the "
-         "named node(s) (README, Getting NCCL >= 2.29)"),
+         "named node(s) (docs/guide/install.md, NCCL)"),
     ),
     "driver": ("CUDA driver", "install the same NVIDIA driver on every node"),
 }

@@ -1,5 +1,5 @@
 """Check 3, ``one_sided``: the two NCCL behaviours TIDE's one-sided protocol relies on
-(docs/2026-12-02-one-sided.md), stress-tested between every pair of the cross-node tier.
+(docs/design/2026-12-02-one-sided.md), stress-tested between every pair of the cross-node tier.
 
 What the protocol assumes of a put (``put_signal``) and its signal:
 
@@ -327,7 +327,7 @@ def rows(gathered: list[dict[str, Any]], tide: Tide) -> list[Row]:
                               f"unavailable: {reason}", sorted(skipped),
                               "[tide] cross_node_transport = 'nccl_one_sided' needs it; use "
                               "'auto' (send/recv where it cannot run) or fix what the reason "
-                              "names (README, Cross-node transports)")]  # fmt: skip
+                              "names (docs/guide/transports-and-layouts.md)")]  # fmt: skip
         return out + [Row("one_sided", "cross-node puts", "skip",
                           f"unavailable (TIDE's 'auto' takes send/recv): {reason}")]
     ran = [g for g in gathered if not g["skip"]]

@@ -14,6 +14,6 @@ NIC cap, NV18, NCCL channels), ``results`` (the committed results), ``interferen
 (both directions per engine and compute class), ``compute`` (attention, activation
 checkpointing), ``inputs`` (every measured figure and its source), ``step`` (the step
 model of each mode; TIDE on ``comm/schedule.py``), ``report`` (validation, 64-GPU
-comparison with breakdown, sensitivity, picture), ``cli``. docs/2026-12-02-simulator.md
-and docs/2026-12-04-simulator.md explain the model, its inputs and its residuals.
+comparison with breakdown, sensitivity, picture), ``cli``. docs/design/2026-12-02-simulator.md
+and docs/design/2026-12-04-simulator.md explain the model, its inputs and its residuals.
 """

@@ -2,7 +2,7 @@
 (``train_configs/clusters/*.toml``, table ``[cluster]``).
 
 The NCCL generation decides what ``symm_mem`` (FSDP2 + NCCL symmetric memory + zero-CTA
-policy) runs, from NCCL's release notes (docs/2026-12-02-simulator.md quotes them):
+policy) runs, from NCCL's release notes (docs/design/2026-12-02-simulator.md quotes them):
 
 - 2.28.9 (measured on the 2x H200): node-local zero-CTA all-gather on the copy engine;
   reduce-scatter by NCCL's symmetric kernel (``ReduceScatter_LD``), slower than the ring

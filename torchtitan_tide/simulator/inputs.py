@@ -100,7 +100,7 @@ WORLD1_RECORDED = {
 }  # fmt: skip
 WORLD1_RECORDED_SOURCE = (
     "issue 21: bench_step at world 1 on one H200 (8d17df0), profiled step breakdown "
-    "(docs/2026-12-01-simulator.md)"
+    "(docs/design/2026-12-01-simulator.md)"
 )
 
 
@@ -404,7 +404,7 @@ def world1_step(results_dir: Path, config: str) -> tuple[dict[str, float] | None
         return dict(WORLD1_RECORDED[config]), WORLD1_RECORDED_SOURCE
     return None, (
         f"no one-GPU trainer breakdown of {config}: scripts/gpu/check.sh stage world1 "
-        "(docs/2026-12-02-simulator.md)"
+        "(docs/design/2026-12-02-simulator.md)"
     )
 
 

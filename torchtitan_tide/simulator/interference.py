@@ -27,7 +27,7 @@ found wins:
    the cast and copy-in kernels too (its -7% / -9% beside large GEMMs: those SM
    kernels waited, the GEMMs did not).
 2. The copy engine at 2x H200: compute beside a copy-engine peer copy as measured before
-   the first TIDE commit (``docs/2026-11-29-h200-facts.md``: +43% single-wave, +9%
+   the first TIDE commit (``docs/design/2026-11-29-h200-facts.md``: +43% single-wave, +9%
    large); its own g from the profiled 2-GPU step (its device time in the step over
    alone: not stretched). The real path (an NVLink copy) beats the one-GPU stand-in, as
    for NCCL's kernels.
@@ -128,10 +128,10 @@ def _nccl_figure(row: Mapping[str, Any], kernel_ms: float, what: str) -> Figure:
 
 
 # GEMM slowdown beside a copy-engine copy (a peer copy over NVLink, 2x H200), measured
-# before the first TIDE commit: docs/2026-11-29-h200-facts.md.
+# before the first TIDE commit: docs/design/2026-11-29-h200-facts.md.
 CE_FACTS = {SINGLE_WAVE: 0.43, LARGE: 0.09}
 CE_FACTS_SOURCE = (
-    "docs/2026-11-29-h200-facts.md (2x H200): GEMM 1024x4096x8192 0.18 -> 0.26 ms (+43%), "
+    "docs/design/2026-11-29-h200-facts.md (2x H200): GEMM 1024x4096x8192 0.18 -> 0.26 ms (+43%), "
     "8192^3 1.40 -> 1.53 ms (+9%) beside a copy-engine peer copy"
 )
 
@@ -240,7 +240,7 @@ def _ce_stand_in(fig: Figure | None, g_ce: float, ce_source: str) -> Figure | No
     upper bound on the HBM contention of an NVLink transfer, which writes or reads it
     once), with the copies' own stretch of the profiled 2-GPU step (``g_ce``), not the
     local copy's: that copy is HBM-bound beside compute (+1116% beside large GEMMs on
-    ad3cde0), the NVLink copies TIDE runs are link-bound (docs/2026-12-04-simulator.md)."""
+    ad3cde0), the NVLink copies TIDE runs are link-bound (docs/design/2026-12-04-simulator.md)."""
     if fig is None:
         return None
     return replace(fig, comm=g_ce, source=(

@@ -40,7 +40,7 @@ SOURCES = {
         f"NV18: 18 NVLink-4 links x 26.5625 GB/s per direction = {NV18_GBPS:.0f} GB/s "
         f"({NV18_GBPS * 1e9 / GIB:.0f} GiB/s) per direction per GPU, shared by the node's "
         "peers (NVIDIA H200 SXM; nvidia-smi topo shows NV18 on the measured machine, "
-        "docs/2026-11-29-h200-facts.md)"
+        "docs/design/2026-11-29-h200-facts.md)"
     ),
     "nic": "the cluster file's nic_gbps_per_gpu (one NIC per GPU; a ring: L x NIC per GPU)",
     "latency": (

@@ -96,7 +96,7 @@ UNEXPLAINED = {
         "grouped expert GEMM beside the copy engine is measured beside a device-to-device "
         "copy of one GPU (HBM read and write at the local rate), charged here for TIDE's "
         "NVLink pulls, which move a fraction of that HBM traffic per GPU; with the 2x H200 "
-        "inputs alone this row was within 5% (docs/2026-12-04-simulator.md)"
+        "inputs alone this row was within 5% (docs/design/2026-12-04-simulator.md)"
     ),
     ("h200x2_qwen3_30b_a3b_4layers", "fsdp2"): (
         "not explained by a measured input: the largest uncertain term is compute slowed "
@@ -472,7 +472,7 @@ def source_rows(validation: list[dict[str, Any]], cluster: Cluster) -> list[dict
     )
     rows.append({"config": "all", "input": f"symm_mem on NCCL {NCCL_NEW}",
                  "source": "NCCL release notes 2.29.7 / 2.30.3 / 2.30.7 / 2.31.2 (modeled, "
-                           "docs/2026-12-02-simulator.md)"})  # fmt: skip
+                           "docs/design/2026-12-02-simulator.md)"})  # fmt: skip
     return rows
 
 
@@ -538,7 +538,7 @@ def write_report(results_dir: Path, out_dir: Path, cluster: Cluster) -> dict[str
                      | {r["config"] for r in validation if r["sources"]["host"].startswith("not measured")})  # fmt: skip
     kinds = sorted({f["kind"] for f in figures})
     notes = (
-        f"A SIMULATION (torchtitan_tide/simulator/, docs/2026-12-04-simulator.md), not a "
+        f"A SIMULATION (torchtitan_tide/simulator/, docs/design/2026-12-04-simulator.md), not a "
         f"measurement, except the validation's measured column. {within} of {len(validation)} "
         f"validation rows within {TOLERANCE_PCT:.0f}%; no fitted factor. Every mode is charged "
         "the same way: each part of a collective once (its transport at its own profiled "

@@ -20,7 +20,7 @@ process group, so ``round`` advances identically everywhere):
 4. pull: ONE ``cudaMemcpyBatchAsync`` call copies every (source rank,
    parameter) shard from the holder's slot straight into this rank's
    parameter storage at ``dst_offset(source rank)``. Same dtype on both sides:
-   a pure copy-engine copy, no SM kernel. Measured (docs/2026-11-29-h200-facts.md): 576
+   a pure copy-engine copy, no SM kernel. Measured (docs/design/2026-11-29-h200-facts.md): 576
    copies at 330 GiB/s as one batch versus 69 GiB/s as a loop of ``copy_``.
 
 If ``cuda-bindings`` is missing (or the batch call fails once), the pulls run
@@ -36,7 +36,7 @@ words are the last ``world`` 32-bit words of each buffer's symmetric signal pad
 (torch's barrier kernels use the first words). ``"kernel"``: torch's
 ``handle.barrier``, a 1-CTA kernel that spins on an SM while it waits.
 
-Memory ordering (docs/2026-12-01-cluster-layouts.md): peers' data writes into this
+Memory ordering (docs/design/2026-12-01-cluster-layouts.md): peers' data writes into this
 rank's slot (TIDE-RS pushes) precede their flag write on their stream, and that
 write is fenced (``cuStreamWriteValue32`` without ``NO_MEMORY_BARRIER``: a
 system-scope fence for the stream's prior work), so the rows are visible once the

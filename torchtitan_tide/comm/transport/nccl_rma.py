@@ -4,7 +4,7 @@ TIDE's zero-SM cross-node transport (``one_sided``) puts data straight into a pe
 registered memory with ``ncclPutSignal`` and waits with ``ncclWaitSignal``; NCCL moves the
 bytes with the copy engine between GPUs it reaches by load/store (NVLink, one node) and by
 its RMA proxy over the network (IB/RoCE with GPUDirect), no send/recv kernel on the SMs.
-Docs: docs/2026-12-02-one-sided.md.
+Docs: docs/design/2026-12-02-one-sided.md.
 
 Contract:
 
@@ -52,7 +52,7 @@ __all__ = [
 
 MIN_VERSION = 22900  # ncclPutSignal / ncclWaitSignal / ncclCommWindowRegister
 # NCCL_MULTI_RANK_GPU_ENABLE (ranks of one communicator sharing a GPU) is honoured from 2.30;
-# 2.28.9 answers "Duplicate GPU detected" (docs/2026-12-02-emulation.md).
+# 2.28.9 answers "Duplicate GPU detected" (docs/design/2026-12-02-emulation.md).
 MULTI_RANK_GPU_MIN_VERSION = 23000
 _CONFIG_VERSION = 23000  # the ncclConfig_t layout below (2.30) and CTA policy ZERO
 _UNIQUE_ID_BYTES = 128
@@ -259,7 +259,7 @@ def one_sided_missing_reason() -> str | None:
     if code < MIN_VERSION:
         return (
             f"NCCL {version_text(code)} is loaded; the one-sided API needs NCCL >= 2.29 "
-            "(torch 2.12/2.13 bundle 2.29.7; under torch 2.11 see the README's NCCL section)"
+            "(torch 2.12/2.13 bundle 2.29.7; under torch 2.11 see docs/guide/install.md, NCCL)"
         )
     lib = _library()
     missing = [
@@ -483,7 +483,7 @@ class RmaComm:
 
 def multi_rank_gpu_missing_reason() -> str | None:
     """Why ranks of one NCCL communicator cannot share a GPU in this process's NCCL
-    (``NCCL_MULTI_RANK_GPU_ENABLE=1``: the one-node emulation, docs/2026-12-02-emulation.md),
+    (``NCCL_MULTI_RANK_GPU_ENABLE=1``: the one-node emulation, docs/design/2026-12-02-emulation.md),
     or None when they can."""
     if not torch.cuda.is_available():
         return "CUDA is not available"

@@ -7,8 +7,8 @@ receiver, a credit back to the next sender of that region once it is summed. Two
 TIDE-owned communicators over the FSDP group (``nccl_rma.RmaComm``, or the CPU stand-in):
 ``data`` (the puts; its window holds the send regions, the ring and the wire region) and
 ``credit`` (bare signals), so each counts one kind of signal. TIDE-AG's and TIDE-RS phase
-1's window is another one (``transport/windows.py``). Decisions: docs/2026-12-04-windows.md
-(the earlier design, regions per node and parity, is in docs/2026-12-02-one-sided.md).
+1's window is another one (``transport/windows.py``). Decisions: docs/design/2026-12-04-windows.md
+(the earlier design, regions per node and parity, is in docs/design/2026-12-02-one-sided.md).
 
 Streams (CUDA): the puts, waits and credits run on ``tide_one_sided_rs``
 (``streams.run_beside``: in order with the caller's stream, phase 2's), the sum on the

@@ -5,7 +5,7 @@ against this class: the same methods as :class:`~.nccl_rma.RmaComm` (``register`
 ``put_signal``, ``signal``, ``wait_signal``, ``destroy``, ``abort``), the same rules NCCL
 enforces (a put reads a registered window of its own rank, fits the peer's window; signal
 index and context 0), and the semantics the one-sided protocol relies on, as NCCL documents
-and implements them for its copy-engine path (docs/2026-12-04-windows.md):
+and implements them for its copy-engine path (docs/design/2026-12-04-windows.md):
 
 - a put's data is visible to the peer before the signal that follows it;
 - signals from one peer are counted, cumulatively: ``wait_signal(peer, count)`` returns once

@@ -7,7 +7,7 @@ first) executed with NCCL's one-sided calls on the group's TIDE-owned communicat
 proxy across nodes) or, on CPU, the stand-in (``rma_standin.StandinRma``). One registration
 serves the cross-node puts, the node-local fan-out and TIDE-RS's rows, and several ranks may
 share a GPU (NCCL >= 2.30 with ``NCCL_MULTI_RANK_GPU_ENABLE=1``), which torch's symmetric
-memory refuses. Decisions and measurements: docs/2026-12-04-windows.md.
+memory refuses. Decisions and measurements: docs/design/2026-12-04-windows.md.
 
 Executing the ops (CUDA): ``main`` is the caller's current stream (TIDE's stream), ``put``
 the ``tide_one_sided`` stream (every put and signal, the rail waits), ``place`` the
