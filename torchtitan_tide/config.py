@@ -123,7 +123,7 @@ class Tide:
     (default): torch's UntypedStorage._swap_data_ptr_ (torch >= 2.12); a torch without it
     (2.11) places every all-gather with copies, the reason logged. "ctypes": on such a
     torch, exchange the storages' fields with ctypes (probed and trial-checked at start-up,
-    checked at every swap; docs/2026-12-07-in-place-robust.md)."""
+    checked at every swap; docs/design/2026-12-07-in-place-robust.md)."""
 
     install_timeout_s: int = _DEFAULT.install_timeout_s
     """Seconds each step of TIDE's collective set-up at install (node-local process

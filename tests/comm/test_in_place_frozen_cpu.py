@@ -21,7 +21,6 @@ from dataclasses import replace
 
 import pytest
 from _harness import spawn
-
 from _layouts import Layout, run_layout
 
 BASE = Layout(local_world_sizes=(1,), expect_transport="WindowTransport", steps=3,

@@ -40,11 +40,11 @@ from .transport import (
     ReduceScatterTransport,
     clear_global_ranks,
     group_global_ranks,
+    storage_swap,
 )
 from .transport.copy_engine import CopyEngineTransport, SymmSlots
 from .transport.one_sided import OneSidedCrossNode, rs_ring_bytes
 from .transport.p2p import P2PCrossNode, P2PTransport
-from .transport import storage_swap
 from .transport.windows import InPlace, WindowSlots, WindowTransport
 from .window_arena import ARENA_ALIGN, WindowArena
 from .window_rounds import window_layout

@@ -141,7 +141,7 @@ class TideOptions:
         without it (2.11) every all-gather places, with the reason logged. ``"ctypes"``: on
         such a torch, exchange the two storages' fields with ctypes instead (offsets probed
         and a trial swap checked at start-up, both storages checked at every swap, signals
-        held off across it; docs/2026-12-07-in-place-robust.md); where torch has the native
+        held off across it; docs/design/2026-12-07-in-place-robust.md); where torch has the native
         swap, the native one runs (logged).
     """
 

@@ -84,7 +84,7 @@ class OneSidedApi:
         """Give up an id whose communicator failed somewhere (its maker, group rank 0).
         Stand-in: its folder goes and ranks blocked in its collective calls raise. NCCL has
         no call for it: the bootstrap root of an id no rank will join stays until the
-        process ends (docs/2026-12-07-in-place-robust.md)."""
+        process ends (docs/design/2026-12-07-in-place-robust.md)."""
         if self.name == "standin":
             rma_standin.abandon_unique_id(unique_id)
 

@@ -118,9 +118,8 @@ def abandon_unique_id(unique_id: bytes) -> None:
     """The id's maker gives it up (a communicator of it failed somewhere): ranks blocked in
     a collective call of it raise at once, and its folder goes."""
     folder = _folder_of(unique_id)
-    with contextlib.suppress(OSError):
-        with open(os.path.join(folder, _ABORTED), "w") as f:
-            f.write("abandoned")
+    with contextlib.suppress(OSError), open(os.path.join(folder, _ABORTED), "w") as f:
+        f.write("abandoned")
     _remove(folder)
 
 
@@ -352,9 +351,9 @@ class StandinRma:
         self.closed = True
         LEDGER["comms_ended"] += 1
         if aborted and os.path.isdir(self.folder):
-            with contextlib.suppress(OSError):
-                with open(os.path.join(self.folder, _ABORTED), "w") as f:
-                    f.write(f"rank {self.rank}")
+            path = os.path.join(self.folder, _ABORTED)
+            with contextlib.suppress(OSError), open(path, "w") as f:
+                f.write(f"rank {self.rank}")
         if self.rank == 0:
             self.remove_folder()
 
