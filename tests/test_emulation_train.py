@@ -187,8 +187,9 @@ def test_stopped_node_ends_the_job_with_a_report_cpu(tmp_path):
 
 
 # N x L on ONE GPU as ONE NCCL node (NCCL >= 2.30 in torch's place: check.sh's nxl stage):
-# 4 launcher nodes of one rank that TIDE groups as 2 nodes x 2 (docs/design/2026-12-04-windows.md).
-NXL = ["--tide.local_world_size", "2"]
+# 4 launcher nodes of one rank that TIDE groups as 2 nodes x 2 (docs/design/2026-12-04-windows.md),
+# TIDE-AG in place (torch 2.11 needs the ctypes storage swap named: [tide] ag_storage_swap).
+NXL = ["--tide.local_world_size", "2", "--tide.ag_storage_swap", "ctypes"]
 
 
 def _multi_rank_gpu(test):
@@ -219,6 +220,7 @@ def test_nxl_training_follows_fsdp2_losses(tmp_path):
     out = logs["tide"].read_text()
     assert "transport=windows (auto: 2 nodes x 2: NCCL windows" in out, out[-6000:]
     assert re.search(r"TIDE-RS .*: first reduce, .* 2 nodes x 2", out), out[-6000:]
+    assert "TIDE-AG in place: arena" in out, out[-6000:]
 
 
 @_multi_rank_gpu

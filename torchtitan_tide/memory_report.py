@@ -188,13 +188,14 @@ def format_report(report: dict[str, Any], formulas: bool = False) -> str:
             + [plan["residency"]]
         )
     lines += _markdown(header, rows)
-    tide = report["modes"]["tide"]
+    tide, stock = report["modes"]["tide"], report["modes"]["fsdp2"]
     lines += [
         "",
         "tide parts, GiB: " + ", ".join(
             f"{k}{' (of ag_slots)' if k == 'ag_arena' else ''} {_gib(v)}"
             for k, v in tide["parts"].items()
         ),
+        "fsdp2 parts, GiB: " + ", ".join(f"{k} {_gib(v)}" for k, v in stock["parts"].items()),
     ]
     if formulas:
         lines += [

@@ -13,13 +13,16 @@ Variants (one spawn each, the same Llama-shaped bf16 model and data): ``fsdp2`` 
 all-gather / reduce-scatter kernels), ``tide_p2p`` (``cross_node_transport = "p2p"``:
 TIDE over NCCL send/recv, node-local too where ranks share the GPU), ``tide_one_sided``
 (NCCL windows: put/signal on both tiers, TIDE-RS phase 2 on its ring), each with the fp32
-and the bf16 TIDE-RS wire, TIDE with its default options. At one rank per node
-(``--layout Nx1``) ``--in-place-compare`` adds the one-sided fp32 variant twice with
-``[tide] ag_in_place_groups`` set: ``tide_one_sided_in_place_fp32_wire`` (4: TIDE-AG puts
-every shard straight into the parameters' storage on the window's arena) and
-``tide_one_sided_placement_fp32_wire`` (0: packed shards placed with copies). The tide rows
-count the all-gathers that ran in place and the placement copies the transport issued. Per
-step (median of ``--steps`` profiled steps after warm-up),
+and the bf16 TIDE-RS wire, TIDE with its default options (``--storage-swap ctypes``: ``[tide]
+ag_storage_swap = "ctypes"``, which a torch without ``UntypedStorage._swap_data_ptr_``, 2.11,
+needs for TIDE-AG in place). ``--in-place-compare`` adds the one-sided fp32 variant twice
+with ``[tide] ag_in_place_groups`` set: ``tide_one_sided_in_place_fp32_wire`` (4: TIDE-AG
+puts every shard straight into the parameters' storage on the window's arena, at any N x L)
+and ``tide_one_sided_placement_fp32_wire`` (0: packed shards placed with copies). The tide
+rows count the all-gathers that ran in place, the placement copies the transport issued,
+and the host time spent issuing TIDE-AG (the window transport's bind and rounds) per
+all-gather and TIDE-RS per reduce. Per step (median of ``--steps`` profiled steps after
+warm-up),
 per rank: NCCL kernels launched, their kernel-ms and SM-ms (kernel time x min(1, CTAs /
 SMs)), copies and the bytes they moved (profiled memcpy events: every copy is one read and
 one write of HBM here), and the bytes put on the cross-node wire (TIDE: counted by its
@@ -143,6 +146,50 @@ def _in_place_counts(model: nn.Module) -> dict[str, int]:
     return totals
 
 
+def _time_host_issue(model: nn.Module) -> dict:
+    """Wrap this rank's TIDE entry points to add the host seconds spent issuing them: TIDE-AG
+    (the window transport's bind and rounds, or the transport's gather: not FSDP2's or the
+    run-ahead bound's waits) and TIDE-RS (its whole reduce). Returns the running totals."""
+    from torchtitan_tide.comm import fsdp_patch
+    from torchtitan_tide.comm import reduce_scatter as tide_rs
+
+    host: dict = {}
+
+    def timed(fn, key: str):
+        def run(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                host[key + "_s"] = host.get(key + "_s", 0.0) + time.perf_counter() - started
+                if key != "bind":
+                    host[key + "_n"] = host.get(key + "_n", 0) + 1
+
+        return run
+
+    seen = set()
+    for _, group in fsdp_patch.fsdp_param_groups(model):
+        transport = group._tide_ag_state.transport
+        if id(transport) in seen:
+            continue
+        seen.add(id(transport))
+        transport.gather = timed(transport.gather, "ag")
+        if hasattr(transport, "bind_in_place"):
+            transport.bind_in_place = timed(transport.bind_in_place, "bind")
+    tide_rs.tide_reduce = timed(tide_rs.tide_reduce, "rs")
+    return host
+
+
+def _host_ms(host: dict) -> dict:
+    """Host ms per all-gather (bind + rounds) and per reduce of one step."""
+    ags, reduces = host.get("ag_n", 0), host.get("rs_n", 0)
+    return {
+        "all_gathers": ags, "reduces": reduces,
+        "host_ms_per_ag": 1e3 * (host.get("ag_s", 0.0) + host.get("bind_s", 0.0)) / max(ags, 1),
+        "host_ms_per_rs": 1e3 * host.get("rs_s", 0.0) / max(reduces, 1),
+    }  # fmt: skip
+
+
 def _op_line(op) -> str:
     """One window op as the schedule table prints it."""
     kind = type(op).__name__
@@ -256,8 +303,11 @@ def _worker(rank: int, world: int, args: argparse.Namespace, variant: dict, resu
             options["rs_wire_dtype"] = variant["wire"]
         if "ag_in_place_groups" in variant:
             options["ag_in_place_groups"] = variant["ag_in_place_groups"]
+        if args.storage_swap != "native":
+            options["ag_storage_swap"] = args.storage_swap
         comm.apply(model, "tide", **options)
         _progress(rank, variant, "TIDE installed")
+        host = _time_host_issue(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     gen = torch.Generator().manual_seed(1 + rank)
 
@@ -277,6 +327,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace, variant: dict, resu
     per_step = []
     for _ in range(args.steps):
         sent = _sent_bytes(model) if variant["mode"] == "tide" else 0
+        if variant["mode"] == "tide":
+            host.clear()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
@@ -302,6 +354,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, variant: dict, resu
                            else _fsdp2_wire_bytes(model, world, nodes)),
             "nccl_kernel_names": sorted({e["name"].split("(")[0] for e in nccl}),
             **(_in_place_counts(model) if variant["mode"] == "tide" else {}),
+            **(_host_ms(host) if variant["mode"] == "tide" else {}),
         })  # fmt: skip
     schedule = _last_ag_ops(model) if variant["mode"] == "tide" else []
     if variant["mode"] == "tide":
@@ -310,8 +363,10 @@ def _worker(rank: int, world: int, args: argparse.Namespace, variant: dict, resu
     if rank == 0:
         row = {"variant": variant["name"], **variant}
         for key in ("nccl_kernels", "nccl_kernel_ms", "nccl_sm_ms", "kernels", "copies",
-                    "copy_bytes", "wire_bytes"):  # fmt: skip
-            row[key] = statistics.median(s[key] for s in per_step)
+                    "copy_bytes", "wire_bytes", "host_ms_per_ag", "host_ms_per_rs",
+                    "all_gathers", "reduces"):  # fmt: skip
+            if key in per_step[0]:
+                row[key] = statistics.median(s[key] for s in per_step)
         for key in ("in_place_all_gathers", "placed_copies"):  # running totals: the last step's
             if key in per_step[-1]:
                 row[key] = per_step[-1][key] - (per_step[-2][key] if len(per_step) > 1 else 0)
@@ -349,7 +404,7 @@ def _variants(emulation: str, wires: list[str], in_place_compare: bool = False) 
             short = "one_sided" if transport == "nccl_one_sided" else transport
             out.append({"name": f"tide_{short}_{'bf16' if wire == 'bfloat16' else 'fp32'}_wire",
                         "mode": "tide", "transport": transport, "wire": wire})  # fmt: skip
-    if in_place_compare and emulation == "one_node":
+    if in_place_compare and emulation == "one_node":  # any N x L
         for name, groups in (("in_place", 4), ("placement", 0)):
             out.append({"name": f"tide_one_sided_{name}_fp32_wire", "mode": "tide",
                         "transport": "nccl_one_sided", "wire": "float32",
@@ -377,8 +432,11 @@ def main() -> int:
                         help="seconds per variant; past it its processes are killed, the "
                              "error recorded and the next variant runs")  # fmt: skip
     parser.add_argument("--in-place-compare", action="store_true",
-                        help="L = 1, one_node: add the one-sided fp32 variant with TIDE-AG in "
-                             "place (ag_in_place_groups = 4) and without (0)")  # fmt: skip
+                        help="one_node: add the one-sided fp32 variant with TIDE-AG in place "
+                             "(ag_in_place_groups = 4) and without (0)")  # fmt: skip
+    parser.add_argument("--storage-swap", choices=("native", "ctypes"), default="native",
+                        help="[tide] ag_storage_swap of the tide variants ('ctypes' on a torch "
+                             "without UntypedStorage._swap_data_ptr_, e.g. 2.11)")  # fmt: skip
     parser.add_argument(
         "--variants", default="", help="only these variants (comma-separated names); default all"
     )
@@ -387,9 +445,9 @@ def main() -> int:
     args.ranks = args.nodes * args.local
     if args.local > 1 and args.emulation != "one_node":
         parser.error("--layout with L > 1 needs --emulation one_node (ranks share the GPU)")
-    if args.in_place_compare and (args.local != 1 or args.emulation != "one_node"):
-        parser.error("--in-place-compare: TIDE-AG in place runs at one rank per node on the "
-                     "windows: --layout Nx1 --emulation one_node")  # fmt: skip
+    if args.in_place_compare and args.emulation != "one_node":
+        parser.error("--in-place-compare: TIDE-AG in place runs on the windows: "
+                     "--emulation one_node")  # fmt: skip
     from torchtitan_tide.comm.options import TideOptions
 
     wires = [w for w in args.wires.split(",") if w]
@@ -428,6 +486,7 @@ def main() -> int:
         ["copies", "copies / step"], ["hbm_mib", "copy HBM MiB / rank / step"],
         ["in_place_all_gathers", "AGs in place / step"],
         ["placed_copies", "placement copies / step"],
+        ["host_ms_per_ag", "host ms / TIDE-AG"], ["host_ms_per_rs", "host ms / TIDE-RS"],
         ["wire_mib", "cross-node MiB / rank / step"], ["error", "error"],
     ]  # fmt: skip
     args.layout = shape

@@ -29,7 +29,9 @@
 #                 on NCCL windows (docs/design/2026-12-04-windows.md), .nccl/'s NCCL swapped in:
 #                 NXL_PARTS="tests" runs `-m "gpu and nxl"` (2x2, 3x2, 2x4, 4x2 parity with
 #                 Llama and Qwen3 MoE, HSDP, EP; 20-step losses; a stopped rank) ~8 min;
-#                 NXL_PARTS="bench" bench_cross_node --layout per NXL_LAYOUTS (2x2 2x4) and
+#                 NXL_PARTS="bench" bench_cross_node --layout per NXL_LAYOUTS (2x2 2x4; each with
+#                 --in-place-compare --storage-swap ctypes by default: torch 2.11 lacks the
+#                 native storage swap TIDE-AG in place needs) and
 #                 rs_wire_error --device cuda (each bench variant killed after NXL_VARIANT_S,
 #                 default 120 s; the next one runs)                                ~4 min
 #   floor         bench_floor per config in FLOOR_CONFIGS, on GPU 0 only (1 GPU is enough):
@@ -224,7 +226,7 @@ if has nxl; then
          for layout in ${NXL_LAYOUTS:-2x2 2x4}; do
            python3 scripts/bench/bench_cross_node.py --layout "$layout" --out-dir bench/results \
              --variant-timeout "${NXL_VARIANT_S:-120}" \
-             ${NXL_BENCH_ARGS:---wires float32 --warmup 1 --steps 2} || rc=1
+             ${NXL_BENCH_ARGS:---wires float32 --warmup 1 --steps 2 --in-place-compare --storage-swap ctypes} || rc=1
          done
          if [[ "${NXL_WIRE_ERROR:-1}" == 1 ]]; then
            python3 scripts/bench/rs_wire_error.py --device cuda --trials 1 \

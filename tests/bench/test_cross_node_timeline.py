@@ -50,13 +50,23 @@ def test_in_place_compare_adds_both_arena_settings_at_one_rank_per_node():
     assert not any("in_place" in v["name"] for v in bench._variants("nodes", ["float32"], True))
 
 
-def test_in_place_compare_needs_one_rank_per_node(monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["bench_cross_node.py", "--layout", "2x2",
+def test_in_place_compare_needs_the_windows(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench_cross_node.py", "--emulation", "nodes",
                                       "--in-place-compare"])  # fmt: skip
     with pytest.raises(SystemExit) as exit_info:
         bench.main()
     assert exit_info.value.code == 2
-    assert "--in-place-compare: TIDE-AG in place runs at one rank per node" in capsys.readouterr().err
+    assert "--in-place-compare: TIDE-AG in place runs on the windows" in capsys.readouterr().err
+
+
+def test_host_issue_time_is_per_call():
+    """Host ms per all-gather counts the bind and the rounds; per reduce the whole reduce."""
+    host = {"ag_s": 0.003, "ag_n": 3, "bind_s": 0.003, "rs_s": 0.004, "rs_n": 2}
+    timed = bench._host_ms(host)
+    assert timed["host_ms_per_ag"] == pytest.approx(2.0)
+    assert timed["host_ms_per_rs"] == pytest.approx(2.0)
+    assert (timed["all_gathers"], timed["reduces"]) == (3, 2)
+    assert bench._host_ms({})["host_ms_per_ag"] == 0.0
 
 
 def test_result_names_differ_per_layout():

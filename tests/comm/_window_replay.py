@@ -83,6 +83,8 @@ class Replay:
         self.content = [[None] * window_bytes for _ in range(self.world)]
         self.accesses: list[list[_Access]] = [[] for _ in range(self.world)]
         self.ops_run = 0
+        # (rank, stream, index of the op in its queue, op, vector clock when it ran)
+        self.ran: list[tuple[int, str, int, object, dict]] = []
 
     # ------------------------------------------------------------ memory
 
@@ -152,6 +154,7 @@ class Replay:
         what = f"rank {rank} {type(op).__name__ if kind != 'fork' else 'Fork'} on {key[1]}"
         if kind == "op":
             self._effect(rank, key, op, what)
+            self.ran.append((rank, key[1], self.done[key], op, dict(self.vc[key])))
         self.history[key].append(dict(self.vc[key]))
         self.done[key] += 1
         self.ops_run += 1
@@ -181,6 +184,13 @@ class Replay:
                 self._read(rank, op.start + i * op.row_bytes, op.row_bytes, tag, key, what)
         elif not isinstance(op, Wait):
             raise ReplayError(f"unknown op {op!r}")
+
+    def happened_before(self, first: tuple[int, str, int], then: tuple[int, str, int]) -> bool:
+        """Whether op ``first`` (rank, stream, queue index) is ordered before op ``then``
+        (vector clocks of the run)."""
+        clocks = {(r, st, i): vc for r, st, i, _, vc in self.ran}
+        rank, stream, _ = first
+        return clocks[then].get((rank, stream), 0) >= clocks[first][(rank, stream)]
 
     def run(self, all_waited: bool = True) -> int:
         """Run everything; returns the number of ops run. Raises :class:`ReplayError`

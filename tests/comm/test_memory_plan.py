@@ -337,3 +337,27 @@ def test_cli_counts_the_in_place_arena(capsys, tmp_path):
     assert arenas[4] > arenas[2], arenas
     with pytest.raises(SystemExit):
         memory_report.main([*base, "--ag-in-place-groups", "-1"])
+
+
+@pytest.mark.parametrize("config", ["llama70b_tide", "qwen3_30b_a3b_tide"])
+def test_in_place_window_at_8x8_holds_no_more_than_stock_in_flight(capsys, tmp_path, config):
+    """The paper's layout (8 nodes x 8): TIDE's window with the in-place arena (4 groups,
+    persistent) holds no more than stock FSDP2's flat all-gather buffers plus the unsharded
+    parameters of the groups it holds at once (``ag_outputs_in_flight``, transient); without
+    the arena the window is the placement path's rail and local entries. The only excess
+    allowed is alignment: every parameter of a packed entry 16-byte aligned in the 2 x W
+    entries (12 parameters a Qwen3 block: 3 KiB at 8 x 8) and the window's areas 256-byte
+    aligned."""
+    out_json = tmp_path / "plan.json"
+    windows = {}
+    for groups in ("4", "0"):
+        _run_cli(capsys, "--config", config, "--gpus", "64", "--local-world-size", "8",
+                 "--cross-node", "one_sided", "--ag-in-place-groups", groups,
+                 "--json", str(out_json))  # fmt: skip
+        modes = json.loads(out_json.read_text())["modes"]
+        windows[groups] = modes["tide"]["parts"]
+        in_flight = modes["fsdp2"]["parts"]["ag_outputs_in_flight"]
+    assert windows["4"]["ag_arena"] > 0 and "ag_arena" not in windows["0"]
+    assert windows["4"]["ag_slots"] - windows["0"]["ag_slots"] == windows["4"]["ag_arena"]
+    alignment = 2 * 64 * 12 * 16 + 5 * 256
+    assert windows["4"]["ag_slots"] <= in_flight + alignment, (windows["4"]["ag_slots"], in_flight)

@@ -120,7 +120,8 @@ def _parity(rank: int, world_size: int, transport: str) -> None:
                     Scenario(bf16=True, prefetch=True, grad_accum=2, steps=2),
                     Scenario(bf16=True, reshard_after_forward=False, steps=2)):  # fmt: skip
             ref, tide = build(scn, device), build(scn, device)
-            comm.apply(tide, "tide", local_world_size=1, cross_node_transport=transport)
+            comm.apply(tide, "tide", local_world_size=1, cross_node_transport=transport,
+                       ag_storage_swap="ctypes")  # in place on torch 2.11 too
             groups = [g for _, g in fsdp_patch.fsdp_param_groups(tide)]
             ags = [g._tide_ag_state.transport for g in groups]
             sides = [g._tide_rs_state.cross_node for g in groups]
@@ -184,7 +185,8 @@ def _kernels_in_step(rank: int, world_size: int, transport: str, result_file: st
 
     device = torch.device("cuda", 0)
     model = build(Scenario(bf16=True), device)
-    comm.apply(model, "tide", local_world_size=1, cross_node_transport=transport)
+    comm.apply(model, "tide", local_world_size=1, cross_node_transport=transport,
+               ag_storage_swap="ctypes")  # in place on torch 2.11 too
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     gen = torch.Generator().manual_seed(3 + rank)
 

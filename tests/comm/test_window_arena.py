@@ -1,17 +1,26 @@
-"""TIDE-AG in place at one rank per node: the arena allocator (``comm/window_arena.py``) and
-the in-place rounds (``window_rounds.ag_in_place_ops``) of every rank over a forward /
-backward-like sequence of unshards and reshards, replayed against the checker of reads,
-writes and signals (``_window_replay.py``). The replay models what ``transport/windows.py``
-issues: the own shards cast on ``main`` (after the own release events), the puts and waits,
-the compute stream reading every parameter and poisoning the range at reshard, and the
-credits sent on the credit stream to every writer. Pure Python."""
+"""TIDE-AG in place at any layout N nodes x L ranks: the arena allocator
+(``comm/window_arena.py``) and the in-place rounds (``window_rounds.ag_in_place_ops``) of
+every rank over a forward / backward-like sequence of unshards, reshards and TIDE-RS rounds,
+replayed against the checker of reads, writes and signals (``_window_replay.py``). The replay
+models what ``transport/windows.py`` issues: the own shards cast on ``main`` (after the own
+release events), the puts and waits (node-local on ``fan``, cross-node on ``put``), the
+compute stream reading every parameter and poisoning the range at reshard, the credits sent
+on the credit stream to every writer; an all-gather that finds the arena full takes the
+placement path (``ag_round_ops`` on the same window), and TIDE-RS rounds share its local
+area. Pure Python."""
 
 from __future__ import annotations
 
 import pytest
 from _window_replay import Replay, ReplayError
 
-from torchtitan_tide.comm.plan import ParamSpec, WorldLayout, build_group_plan
+from torchtitan_tide.comm.plan import (
+    ParamSpec,
+    WorldLayout,
+    build_group_plan,
+    build_rs_plan,
+    packed_entry,
+)
 from torchtitan_tide.comm.window_arena import ARENA_ALIGN, WindowArena, aligned
 from torchtitan_tide.comm.window_rounds import (
     Fork,
@@ -21,6 +30,11 @@ from torchtitan_tide.comm.window_rounds import (
     Signal,
     Wait,
     ag_in_place_ops,
+    ag_round_ops,
+    cross_node_segments,
+    in_place_writers,
+    rs_round_ops,
+    window_layout,
 )
 
 # padded shard numels per parameter (bf16), groups of different sizes
@@ -85,37 +99,64 @@ def test_bad_ranges_are_named():
     assert WindowArena(0, 0).take(1) is None
 
 
-def _schedule(prefetch: bool) -> list[tuple[str, str]]:
-    """("unshard" | "reshard", group) of a forward then backward in FSDP2's order."""
+def _schedule(prefetch: bool, reduce: bool = False) -> list[tuple[str, str]]:
+    """("unshard" | "reshard" | "reduce", group) of a forward then backward in FSDP2's
+    order (``reduce``: each group's TIDE-RS after its backward reshard)."""
     events = []
-    for order in (FORWARD, FORWARD[::-1]):
+    for backward, order in enumerate((FORWARD, FORWARD[::-1])):
         held = []
         for name in order:
             events.append(("unshard", name))
             held.append(name)
             if len(held) > (2 if prefetch else 1):
-                events.append(("reshard", held.pop(0)))
-        events += [("reshard", name) for name in held]
+                gone = held.pop(0)
+                events.append(("reshard", gone))
+                if backward and reduce:
+                    events.append(("reduce", gone))
+        for name in held:
+            events.append(("reshard", name))
+            if backward and reduce:
+                events.append(("reduce", name))
     return events
 
 
+def _specs(name: str) -> list[ParamSpec]:
+    return [ParamSpec(f"{name}.{i}", s, "torch.bfloat16") for i, s in enumerate(GROUPS[name])]
+
+
 def in_place_programs(nodes: int, arena_groups: int, prefetch: bool, steps: int = 2,
-                      credits: bool = True, poison: bool = True):  # fmt: skip
-    """Every rank's ops for ``steps`` forward/backward passes; ``arena_groups``: the arena
-    holds that many of the largest groups. Returns the programs, the window bytes and how
-    many all-gathers went in place (the rest found the arena full: the placement path,
-    replayed by test_window_rounds_cpu)."""
-    layout = WorldLayout(nodes, 1)
-    sizes = {name: [aligned(s * nodes * ITEMSIZE) for s in shards]
+                      credits: bool = True, poison: bool = True, lws: int = 1,
+                      pacing: int = 0, reduce: bool = False, rows: int = 2):  # fmt: skip
+    """Every rank's ops for ``steps`` forward/backward passes at ``nodes x lws``;
+    ``arena_groups``: the arena holds that many of the largest groups; an all-gather that finds
+    it full places (``ag_round_ops``); ``reduce``: TIDE-RS rounds after each backward reshard.
+    Returns the programs, the window bytes and how many all-gathers went in place."""
+    layout = WorldLayout(nodes * lws, lws)
+    world = layout.world_size
+    sizes = {name: [aligned(s * world * ITEMSIZE) for s in shards]
              for name, shards in GROUPS.items()}  # fmt: skip
     arena_bytes = sum(sorted((sum(v) for v in sizes.values()), reverse=True)[:arena_groups])
+    packings = {name: packed_entry(build_group_plan(_specs(name), layout, 0).params,
+                                   [ITEMSIZE] * len(shards))
+                for name, shards in GROUPS.items()}  # fmt: skip
+    row_bytes = max(sum(s) for s in GROUPS.values()) * ITEMSIZE
+    wl = window_layout(nodes, lws, max(p.entry_bytes for p in packings.values()),
+                       min(rows, lws) * row_bytes if reduce else 0, True, arena_bytes)  # fmt: skip
     programs, in_place = [], 0
-    for rank in range(nodes):
-        arena = WindowArena(0, arena_bytes)
-        ops, seen, ag_index, held = [], {}, 0, {}
+    for rank in range(world):
+        arena = WindowArena(wl.arena_base, wl.arena_bytes)
+        ops, seen, ag_index, placed, round_index, held = [], {}, 0, 0, 0, {}
         for _ in range(steps):
-            for kind, name in _schedule(prefetch):
+            for kind, name in _schedule(prefetch, reduce):
                 shards = GROUPS[name]
+                if kind == "reduce":
+                    rs = build_rs_plan(layout, rank, rows, [s * world for s in shards], shards)
+                    for chunk in rs.chunks:
+                        for rnd, pushes in zip(chunk.rounds, chunk.pushes):
+                            ops += rs_round_ops(wl, layout, rank, rnd, pushes, rs.shard_numel,
+                                                ITEMSIZE, round_index)  # fmt: skip
+                            round_index += 1
+                    continue
                 if kind == "reshard":
                     if name not in held:
                         continue  # went the placement path
@@ -127,13 +168,15 @@ def in_place_programs(nodes: int, arena_groups: int, prefetch: bool, steps: int 
                     if credits:
                         ops += [Signal("credit", w, "ag_credit") for w in writers]
                     continue
+                plan = build_group_plan(_specs(name), layout, rank, pull_local=True,
+                                        pacing=pacing)  # fmt: skip
                 offsets = [sum(sizes[name][:i]) for i in range(len(shards))]
                 taken = arena.take(sum(sizes[name]))
-                if taken is None:
+                if taken is None:  # the arena is full: the placement path
+                    ops += ag_round_ops(wl, plan, packings[name], placed, round_index, pacing)
+                    placed += 1
+                    round_index += 1
                     continue
-                plan = build_group_plan([ParamSpec(f"{name}.{i}", s, "torch.bfloat16")
-                                         for i, s in enumerate(shards)], layout, rank,
-                                        pull_local=True)  # fmt: skip
                 shard_bytes = tuple(s * ITEMSIZE for s in shards)
                 if taken.events:
                     ops.append(Fork("compute", "main"))
@@ -141,18 +184,18 @@ def in_place_programs(nodes: int, arena_groups: int, prefetch: bool, steps: int 
                         for i, (off, n) in enumerate(zip(offsets, shard_bytes))]  # fmt: skip
                 credit = taken.credit if credits else 0
                 round_ops, seen = ag_in_place_ops(plan, tuple(offsets), shard_bytes, taken.start,
-                                                  credit, seen, ag_index)  # fmt: skip
+                                                  credit, seen, ag_index, pacing)  # fmt: skip
                 ops += round_ops + [Fork("main", "compute")]
                 for i, (off, n) in enumerate(zip(offsets, shard_bytes)):  # compute reads all
                     entries = tuple((taken.start + off + r * n, r, ("ag", ag_index, r, i))
-                                    for r in range(nodes))  # fmt: skip
+                                    for r in range(world))  # fmt: skip
                     ops.append(Place("compute", entries, n))
-                writers = tuple(sorted({ex.recv_peer for ex in plan.exchanges}))
-                held[name] = (taken.start, taken.nbytes, writers)
+                held[name] = (taken.start, taken.nbytes,
+                              in_place_writers(layout, rank, plan.exchanges))
                 ag_index += 1
         programs.append(ops)
         in_place = ag_index
-    return programs, max(arena_bytes, ARENA_ALIGN), in_place
+    return programs, max(wl.total_bytes, ARENA_ALIGN), in_place
 
 
 @pytest.mark.parametrize("nodes", [2, 3, 4, 5, 6, 7, 8])
@@ -165,35 +208,95 @@ def test_in_place_rounds_replay_without_race_or_deadlock(nodes):
             assert Replay(programs, nbytes).run(all_waited=False) > 0
 
 
-def test_puts_and_waits_match_for_every_pair():
+@pytest.mark.parametrize("nodes", [2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("lws", [2, 4])
+def test_in_place_at_n_by_l_replays_with_placement_and_reduces(nodes, lws):
+    """In place at N x L, mixed with the placement path (an arena of 1 or 2 groups runs full
+    whenever more are unsharded) and TIDE-RS rounds on the same window, paced and not."""
+    for arena_groups, prefetch, pacing in ((1, True, 0), (2, False, 1), (4, True, 2)):
+        programs, nbytes, in_place = in_place_programs(
+            nodes, arena_groups, prefetch, lws=lws, pacing=pacing, reduce=True)  # fmt: skip
+        assert in_place > 0
+        assert Replay(programs, nbytes).run(all_waited=False) > 0
+
+
+def _in_place_round(layout: WorldLayout, rank: int, pacing: int, shards: list[int]):
+    plan = build_group_plan([ParamSpec(f"p{i}", s, "torch.bfloat16") for i, s in enumerate(shards)],
+                            layout, rank, pull_local=True, pacing=pacing)  # fmt: skip
+    shard_bytes = tuple(ITEMSIZE * s for s in shards)
+    offsets = tuple(sum(aligned(layout.world_size * n) for n in shard_bytes[:i])
+                    for i in range(len(shards)))  # fmt: skip
+    ops, _ = ag_in_place_ops(plan, offsets, shard_bytes, 0, 0, {}, 0, pacing)
+    return ops
+
+
+@pytest.mark.parametrize("lws", [1, 2, 4, 8])
+def test_puts_and_waits_match_for_every_pair(lws):
     """Per all-gather, what each rank waits for from a peer is what that peer puts to it, and
-    every rank receives every other rank's shard of every parameter exactly once."""
+    every rank receives every other rank's shard of every parameter exactly once; node-local
+    signals go on ``fan``, cross-node ones on ``put``."""
     shards = GROUPS["block0"]
     for nodes in range(2, 9):
-        layout = WorldLayout(nodes, 1)
-        puts, waits, received = {}, {}, {}
-        for rank in range(nodes):
-            plan = build_group_plan([ParamSpec(f"p{i}", s, "torch.bfloat16")
-                                     for i, s in enumerate(shards)], layout, rank,
-                                    pull_local=True)  # fmt: skip
-            ops, _ = ag_in_place_ops(plan, (0, 256, 512), tuple(2 * s for s in shards), 0, 0,
-                                     {}, 0)  # fmt: skip
-            for op in ops:
-                if isinstance(op, Wait):
-                    waits[(op.peer, rank)] = waits.get((op.peer, rank), 0) + op.count
-                elif isinstance(op, Put):
-                    puts[(rank, op.peer)] = puts.get((rank, op.peer), 0) + 1
-                    received.setdefault(op.peer, []).extend(op.tags)
-        assert puts == waits, (nodes, puts, waits)
-        for rank in range(nodes):
-            expected = sorted(("ag", 0, r, i) for r in range(nodes) if r != rank
-                              for i in range(len(shards)))  # fmt: skip
-            assert sorted(received[rank]) == expected, (nodes, rank)
+        layout = WorldLayout(nodes * lws, lws)
+        for pacing in (0, 2):
+            puts, waits, received = {}, {}, {}
+            for rank in range(layout.world_size):
+                for op in _in_place_round(layout, rank, pacing, shards):
+                    if isinstance(op, Wait):
+                        waits[(op.peer, rank)] = waits.get((op.peer, rank), 0) + op.count
+                    elif isinstance(op, Put):
+                        puts[(rank, op.peer)] = puts.get((rank, op.peer), 0) + 1
+                        received.setdefault(op.peer, []).extend(op.tags)
+                        same_node = layout.node_of(op.peer) == layout.node_of(rank)
+                        assert op.stream == ("fan" if same_node else "put"), op
+            assert puts == waits, (nodes, lws, pacing)
+            for rank in range(layout.world_size):
+                expected = sorted(("ag", 0, r, i) for r in range(layout.world_size) if r != rank
+                                  for i in range(len(shards)))  # fmt: skip
+                assert sorted(received[rank]) == expected, (nodes, lws, rank)
+
+
+def test_copy_engine_operations_grow_with_parameters_times_peers():
+    """Consecutive ranks' shards of a parameter are one range: the puts a rank issues per
+    all-gather grow with parameters x peers (local + rail), not parameters x ranks."""
+    # a Llama-3.1-70B block's 9 parameters (shard numels at 64 GPUs / 1000), and equal ones
+    for shards in ([3670, 3670, 3670, 1049, 1049, 131, 131, 1, 1], [64] * 9):
+        params = len(shards)
+        for nodes, lws in ((2, 2), (2, 4), (2, 8), (4, 8), (8, 8)):
+            layout = WorldLayout(nodes * lws, lws)
+            puts = max(sum(isinstance(op, Put) for op in _in_place_round(layout, r, 0, shards))
+                       for r in range(layout.world_size))  # fmt: skip
+            rail_steps = len(build_group_plan([ParamSpec("p", 1, "torch.bfloat16")], layout, 0,
+                                              pull_local=True).exchanges)  # fmt: skip
+            # own shards to the node; a parameter owned whole: one put and L - 1 forwards
+            # per exchange; at most two owned in part: one put and L - 1 forwards per node
+            owned = max(len(runs) for runs in cross_node_segments(tuple(shards), lws))
+            bound = (params * (lws - 1) + owned * rail_steps * lws + 2 * (nodes - 1) * lws)
+            assert puts <= bound, (nodes, lws, puts, bound)
+            assert puts < params * (layout.world_size - 1), (nodes, lws, puts)
+
+
+def test_cross_node_segments_balance_bytes_at_shard_boundaries():
+    """Every shard of every node block belongs to exactly one local index, in contiguous runs;
+    the bytes each moves differ by at most one shard of the largest parameter."""
+    for shard_bytes in ((100, 7, 7, 300, 2), (64,) * 9, (5,), (10, 0, 10)):
+        for lws in (1, 2, 3, 4, 8):
+            segments = cross_node_segments(shard_bytes, lws)
+            covered = sorted((i, a) for runs in segments for i, first, end in runs
+                             for a in range(first, end))  # fmt: skip
+            assert covered == [(i, a) for i, n in enumerate(shard_bytes) if n
+                               for a in range(lws)], (shard_bytes, lws)  # fmt: skip
+            loads = [sum((end - first) * shard_bytes[i] for i, first, end in runs)
+                     for runs in segments]  # fmt: skip
+            assert max(loads) - min(loads) <= 2 * max(shard_bytes), (shard_bytes, lws, loads)
 
 
 def test_replay_finds_missing_credits():
     """Without waiting for the peer's release, a put can overwrite a range the peer still
     reads (its compute) or poisons: the checker must see the race."""
     programs, nbytes, _ = in_place_programs(4, 1, prefetch=False, credits=False)
+    with pytest.raises(ReplayError, match="race"):
+        Replay(programs, nbytes).run(all_waited=False)
+    programs, nbytes, _ = in_place_programs(2, 2, prefetch=True, credits=False, lws=2)
     with pytest.raises(ReplayError, match="race"):
         Replay(programs, nbytes).run(all_waited=False)

@@ -160,7 +160,8 @@ def test_replay_finds_one_half_only():
         Replay(programs, nbytes).run()
 
 
-def ring_programs(layout: WorldLayout, slots: int, reduces: int, credits: bool = True):
+def ring_programs(layout: WorldLayout, slots: int, reduces: int, credits: bool = True,
+                  piece_bytes: int = 1 << 20):  # fmt: skip
     """Every rank's phase-2 ops over ``reduces`` reduces (N - 1 steps each); phase 1 writes
     each partial into send slot ``g % slots`` before its step, and waits for the step before
     writing that slot again (``RSBuffers``' events)."""
@@ -171,11 +172,11 @@ def ring_programs(layout: WorldLayout, slots: int, reduces: int, credits: bool =
         ops = []
         for g in range(reduces * (layout.num_nodes - 1)):
             src = rl.send(g % slots)
-            ops += [PackOwn("main", src, nbytes, ("p2", g, rank)), Fork("main", "put")]
-            step = ring_step_ops(rl, layout, rank, g, src, nbytes)
+            ops += [PackOwn("main", src, nbytes, ("p2", g, rank)), Fork("main", "ring")]
+            step = ring_step_ops(rl, layout, rank, g, src, nbytes, piece_bytes=piece_bytes)
             if not credits:
                 step = [op for op in step if getattr(op, "comm", "") != "credit"]
-            ops += step + [Fork("put", "main")]
+            ops += step + [Fork("ring", "main")]
         programs.append(ops)
     return programs, rl.total_bytes
 
@@ -183,9 +184,11 @@ def ring_programs(layout: WorldLayout, slots: int, reduces: int, credits: bool =
 @pytest.mark.parametrize("nodes,lws", [(2, 1), (3, 1), (4, 2), (5, 1), (8, 1), (3, 2)])
 def test_phase2_ring_replays_for_any_node_count(nodes, lws):
     for slots in (1, 2, 3):
-        programs, nbytes = ring_programs(WorldLayout(nodes * lws, lws), slots, reduces=3)
-        # the credits for steps after the last are sent and never needed
-        Replay(programs, nbytes).run(all_waited=False)
+        for piece_bytes in (1 << 20, 24):  # one piece per partial, or three (64 B partials)
+            programs, nbytes = ring_programs(WorldLayout(nodes * lws, lws), slots, reduces=3,
+                                             piece_bytes=piece_bytes)  # fmt: skip
+            # the credits for steps after the last are sent and never needed
+            Replay(programs, nbytes).run(all_waited=False)
 
 
 def test_phase2_ring_needs_its_credits():
@@ -199,3 +202,56 @@ def test_ring_window_does_not_grow_with_nodes():
     assert ring_layout(2, 1000, wire=True).total_bytes == 5 * 1024
     with pytest.raises(ValueError, match="no wire region"):
         _ = ring_layout(2, 1000, wire=False).wire_start
+
+
+def _ag_then_reduce_programs(nodes: int, lws: int, yield_to_ag: bool):
+    """Every rank's host order of a backward: an in-place all-gather (the next layer's
+    prefetch) issued, then the current layer's phase-2 steps (partials of 3 pieces)."""
+    from torchtitan_tide.comm.window_rounds import Put, ag_in_place_ops
+
+    layout = WorldLayout(nodes * lws, lws)
+    shards = [8, 4]
+    shard_bytes = tuple(ITEMSIZE * s for s in shards)
+    offsets = (0, 256)
+    rl = ring_layout(2, 64, wire=False)
+    base = 1024  # the arena after the ring's regions
+    programs = []
+    for rank in range(layout.world_size):
+        plan = build_group_plan([ParamSpec(f"p{i}", s, "torch.bfloat16")
+                                 for i, s in enumerate(shards)], layout, rank, pull_local=True)  # fmt: skip
+        ops = [PackOwn("main", base + off + rank * n, n, ("ag", 0, rank, i))
+               for i, (off, n) in enumerate(zip(offsets, shard_bytes))]  # fmt: skip
+        ag_ops, _ = ag_in_place_ops(plan, offsets, shard_bytes, base, 0, {}, 0)
+        ops += ag_ops
+        for g in range(nodes - 1):
+            src = rl.send(g % 2)
+            ops += [PackOwn("rs", src, 64, ("p2", g, rank)), Fork("rs", "ring")]
+            step = ring_step_ops(rl, layout, rank, g, src, 64, piece_bytes=24)
+            if not yield_to_ag:
+                step = [op for op in step if not (isinstance(op, Fork) and op.src == "put")]
+            ops += step + [Fork("ring", "rs")]
+        programs.append(ops)
+    return programs, base + 512 + layout.world_size * 16, Put
+
+
+@pytest.mark.parametrize("nodes,lws", [(2, 1), (4, 1), (2, 2), (3, 2), (4, 4)])
+def test_phase2_yields_the_nic_to_an_earlier_all_gather(nodes, lws):
+    """The NIC rule, replayed: every phase-2 piece a rank puts is ordered after every
+    cross-node put of the all-gather it issued before (the next layer waits on that one);
+    pieces are at most ``piece_bytes``; without the rule's stream wait the order is not
+    guaranteed (the check fails)."""
+    for yield_to_ag, expect in ((True, True), (False, False)):
+        programs, nbytes, put_type = _ag_then_reduce_programs(nodes, lws, yield_to_ag)
+        replay = Replay(programs, nbytes)
+        replay.run(all_waited=False)
+        ordered = True
+        for rank in range(nodes * lws):
+            ag = [(r, st, i) for r, st, i, op, _ in replay.ran
+                  if r == rank and isinstance(op, put_type) and st == "put"]  # fmt: skip
+            ring = [(r, st, i, op) for r, st, i, op, _ in replay.ran
+                    if r == rank and isinstance(op, put_type) and st == "ring"]  # fmt: skip
+            assert ag and ring, (rank, len(ag), len(ring))
+            assert all(op.nbytes <= 24 for *_, op in ring)
+            ordered &= all(replay.happened_before(a, (r, st, i))
+                           for a in ag for r, st, i, _ in ring)  # fmt: skip
+        assert ordered == expect, (nodes, lws, yield_to_ag)

@@ -77,9 +77,9 @@ def _parity_worker(rank: int, world: int, lws: int, tolerance: float, extra: dic
     from torchtitan_tide.comm import TideOptions
 
     groups_in_place = extra.get("ag_in_place_groups", TideOptions().ag_in_place_groups)
-    if lws == 1 and nodes > 1 and groups_in_place > 0:
-        # one rank per node: straight into parameter storage on the arena; placement only
-        # for the all-gathers that found the arena full
+    if nodes > 1 and groups_in_place > 0:
+        # across nodes (any ranks per node): straight into parameter storage on the arena;
+        # placement only for the all-gathers that found the arena full
         assert in_place > 0, "no all-gather went in place"
         assert sum(c.credits for c in counters) > 0, "no arena range was released"
         full = sum(c.arena_full for c in counters)
@@ -107,9 +107,11 @@ def _parity_worker(rank: int, world: int, lws: int, tolerance: float, extra: dic
     [(4, 2, {}), (4, 1, {}), (2, 2, {}), (6, 2, {}),
      (4, 2, {"rs_rows": 1, "pacing": 1, "rs_inflight": 1, "rs_wire_dtype": "bfloat16"}),
      (3, 1, {"ag_in_place_groups": 1}), (4, 1, {"ag_in_place_groups": 0}), (2, 1, {}),
-     (3, 1, {"swap": "ctypes"})],
-    ids=["2x2", "4x1-in-place", "1x2", "3x2", "2x2-rows1-paced-ring1-bf16wire",
-         "3x1-arena1", "4x1-placement", "2x1-in-place", "3x1-in-place-ctypes-swap"],
+     (3, 1, {"swap": "ctypes"}), (4, 2, {"ag_in_place_groups": 1}),
+     (4, 2, {"ag_in_place_groups": 0}), (8, 4, {"pacing": 2})],
+    ids=["2x2-in-place", "4x1-in-place", "1x2", "3x2-in-place", "2x2-rows1-paced-ring1-bf16wire",
+         "3x1-arena1", "4x1-placement", "2x1-in-place", "3x1-in-place-ctypes-swap",
+         "2x2-arena1", "2x2-placement", "2x4-in-place-paced"],
 )  # fmt: skip
 def test_windows_parity_with_fsdp2(world, lws, extra):
     # two ranks add in one order only; more reduce in another order than gloo; a bf16 wire

@@ -465,8 +465,6 @@ def _in_place_missing(
         return "no group on the window"
     if options.ag_in_place_groups == 0:
         return "[tide] ag_in_place_groups = 0"
-    if layout.local_world_size != 1:
-        return f"{layout.local_world_size} ranks per node (in place runs at one)"
     if layout.num_nodes < 2:
         return "one node"
     return storage_swap.swap_missing_reason(device, options.ag_storage_swap == "ctypes")

@@ -73,10 +73,16 @@ MODES = ("fsdp2", "symm_mem", "tide", "tide_ag")
 SLOT_ELEMENT_ALIGN = 16  # bytes; each parameter's entry in a copy-engine slot
 SLOT_ALLOC_ALIGN = 128  # bytes; SymmSlots.create rounds a slot up to this
 ADAMW_STATES = 3  # sharded master parameter + exp_avg + exp_avg_sq
+# Groups FSDP2 holds unsharded at once under TorchTitan's defaults: the root group, the last
+# block (not resharded after forward), the current block and the prefetched one.
+IN_FLIGHT_GROUPS = 4
 
 FORMULAS: dict[str, dict[str, str]] = {
     "fsdp2": {
-        "ag": "2 * max_g W*S_g*b_ag (flat AG buffer; current + prefetched group)",
+        "ag": "2 * max_g W*S_g*b_ag (flat AG buffer; current + prefetched group); part "
+              "ag_outputs_in_flight: + the unsharded parameters of the IN_FLIGHT_GROUPS largest "
+              "groups (FSDP2's all_gather_outputs, transient; TIDE in place holds them in its "
+              "window's arena instead)",
         "rs": "2 * max_g W*S_g*b_red (RS input: whole group's grads in reduce dtype; 2 groups)",
         "gradients": "sum_g S_g*b_red (RS output = sharded gradient)",
         "params_optimizer": "sum_g S_g*b_master*3 (params + AdamW exp_avg, exp_avg_sq)",
@@ -95,8 +101,8 @@ FORMULAS: dict[str, dict[str, str]] = {
             "+ (N > 1) (K+1)*S_max*4 fp32 partial ring and receive buffer, K = rs_inflight; "
             "one-sided cross-node transport instead (N > 1): one NCCL window of 2*N*A rail "
             "entries + 2*max((L-1)*N*A, R*S_max*b_grad) local entries / rows (Slot-Reuse) + "
-            "R*S_max*b_grad send rows, and a phase-2 ring of 2K*round256(S_max*4); at L = 1 "
-            "the window also holds the in-place all-gather's arena: the unsharded bytes "
+            "R*S_max*b_grad send rows, and a phase-2 ring of 2K*round256(S_max*4); the "
+            "window also holds the in-place all-gather's arena (any L): the unsharded bytes "
             "(each parameter round256(W*s_p*b_ag)) of the ag_in_place_groups largest groups"
         ),
         "gradients": "sum_g S_g*b_red",
@@ -324,7 +330,10 @@ def plan_memory(
     }
     stock_ag = 2 * max(world * s * dtypes.param_bytes for s in shard)
     stock_rs = 2 * max(world * s * dtypes.reduce_bytes for s in shard)
-    stock_parts = {"ag_flat_buffers": stock_ag, "rs_input_buffers": stock_rs}
+    in_flight = sum(sorted((_unsharded_bytes(g, world, dtypes) for g in groups),
+                           reverse=True)[:IN_FLIGHT_GROUPS])  # fmt: skip
+    stock_parts = {"ag_flat_buffers": stock_ag, "rs_input_buffers": stock_rs,
+                   "ag_outputs_in_flight": stock_ag + in_flight}  # fmt: skip
     pool_note = "same sizes as fsdp2, from the symmetric-memory pool (persistent, cached)"
     tide = _tide_buffers(groups, layout, dtypes, rs_rows, rs_inflight, slot_reuse, cross_node,
                          ag_in_place_groups)  # fmt: skip
@@ -449,10 +458,9 @@ def _tide_buffers(
         entry = max(aligned_group_bytes(g, world, dtypes.param_bytes) for g in groups)
         rs_area = rs_staging_bytes(local, [s * dtypes.grad for s in shard],
                                    [s * dtypes.reduce_bytes for s in shard], rs_rows)  # fmt: skip
-        if local == 1 and ag_in_place_groups:  # as install: fsdp_internals.unsharded_bytes
-            arena = arena_bytes((sum(aligned(padded_shard_numel(shape, world) * world
-                                             * dtypes.param_bytes) for shape in g.param_shapes)
-                                 for g in groups), ag_in_place_groups)  # fmt: skip
+        if ag_in_place_groups:  # as install: fsdp_internals.unsharded_bytes, any L
+            arena = arena_bytes((_unsharded_bytes(g, world, dtypes) for g in groups),
+                                ag_in_place_groups)  # fmt: skip
         ag_slots = window_layout(nodes, local, entry, 0, slot_reuse, arena).total_bytes
         rs_staging = (window_layout(nodes, local, entry, rs_area, slot_reuse, arena).total_bytes
                       - ag_slots)  # fmt: skip
@@ -468,15 +476,23 @@ def _tide_buffers(
         if arena:
             notes.insert(1, (
                 f"AG in place: ag_arena (in ag_slots) holds the unsharded parameters of the "
-                f"{ag_in_place_groups} largest groups, counted whole although FSDP2 holds "
-                "the same parameters in caching-allocator blocks while a group is unsharded "
-                "(up to 3 groups at once under torchtitan's defaults); [tide] "
-                "ag_in_place_groups = 0: no arena, placement copies"))
+                f"{ag_in_place_groups} largest groups, persistent; stock FSDP2 holds the "
+                f"same parameters in caching-allocator blocks while a group is unsharded (up "
+                f"to {IN_FLIGHT_GROUPS} groups at once under torchtitan's defaults: its "
+                "ag_outputs_in_flight, with its flat buffers); [tide] ag_in_place_groups = 0: "
+                "no arena, placement copies"))
     else:
         cross = (rs_inflight + 1) * shard_max * 4 if nodes > 1 else 0
         if cross:
             notes.append(f"RS: cross-node fp32 ring of {rs_inflight} partials + 1 receive buffer")
     return _TideBuffers(ag_slots, rs_staging, cross, tuple(notes), arena)
+
+
+def _unsharded_bytes(group: GroupShape, world: int, dtypes: CommDtypes) -> int:
+    """A group's unsharded parameters in the all-gather dtype, every parameter 256-byte
+    aligned (``fsdp_internals.unsharded_bytes``: what an in-place range takes)."""
+    return sum(aligned(padded_shard_numel(shape, world) * world * dtypes.param_bytes)
+               for shape in group.param_shapes)  # fmt: skip
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -19,31 +19,42 @@ Window of one rank of a process group laid out as ``num_nodes x local_world_size
   all-gather part. Written only by local peers (and this rank's own RS row).
 - ``send``: ``rows`` staging rows of TIDE-RS slices this rank packs before putting them (a
   put reads registered memory of its own rank; NCCL refuses anything else).
-- ``arena`` (one rank per node, ``[tide] ag_in_place_groups`` > 0): the unsharded
-  parameters of the groups all-gathered in place, ranges handed out by ``window_arena``.
+- ``arena`` (``[tide] ag_in_place_groups`` > 0, any ``L``, more than one node): the
+  unsharded parameters of the groups all-gathered in place, ranges handed out by
+  ``window_arena``.
 
-Rounds, as ops on three streams (``main``: the caller's, TIDE's stream; ``put``: every put,
-signal and the rail waits; ``place``: placement copies and the waits on local peers). Every
-signal to a peer is issued on ``put``, so a peer's signals arrive in the order issued.
+Rounds, as ops on four streams (``main``: the caller's, TIDE's stream; ``put``: every
+cross-node put and the rail waits; ``fan``: every node-local put and signal, the fan-out;
+``place``: placement copies and the waits on local peers), and TIDE-RS phase 2's ``ring``.
+Every signal to a local peer is issued on ``fan``, to a rail peer on ``put``, so a peer's
+signals arrive in the order issued; the fan-out of a wave runs beside the next wave's
+cross-node put. The op lists are the schedule: the transport runs them, the replay tests
+check them, the simulator times them (docs/design/2026-12-07-zero-copy-nxl.md).
 
-- All-gather in place (:func:`ag_in_place_ops`, one rank per node): every shard put
-  straight into the parameters' unsharded storage, which lives in the window's ``arena``
-  (``window_arena``) from the all-gather until FSDP2 reshards the group; no pack, no
-  placement. Reuse of an arena range waits for credits (``window_arena``'s docstring).
-- All-gather (:func:`ag_round_ops`): pack the own entry (the cast FSDP2's copy-in does), fan
-  it out to the local peers, place it; then per cross-node exchange (recursive doubling among
-  rail peers, the direct exchange when ``num_nodes`` is no power of two) and per wave of at
-  most ``pacing`` entries: put the wave's runs into the rail peer's entries, wait for its
-  wave, fan the arrived runs out to the local peers; on ``place`` the arrived runs and the
-  local peers' forwarded runs are placed while ``put`` moves the next wave (pipelined).
-- TIDE-RS round (:func:`rs_round_ops`): pack this round's slices (own slice into the own row),
-  put each peer's row, a bare signal to every local peer not put to, wait one signal from
-  every local peer, sum the rows.
+- All-gather in place (:func:`ag_in_place_ops`, any ``N x L``): every shard straight into
+  the parameters' unsharded storage, which lives in the window's ``arena`` (``window_arena``)
+  from the all-gather until FSDP2 reshards the group: the own shards to the node's ranks, the
+  node blocks of the parameters this local index moves (:func:`cross_node_segments`) across
+  nodes one contiguous range per parameter and run of nodes, each arrival forwarded to the
+  node arena to arena; no pack, no placement. Reuse of an arena range waits for credits
+  (``window_arena``'s docstring) from every rank that writes into it (:func:`in_place_writers`).
+- All-gather (:func:`ag_round_ops`, the placement path: no arena, or the arena full): pack the
+  own entry (the cast FSDP2's copy-in does), fan it out to the local peers, place it; then per
+  cross-node exchange (recursive doubling among rail peers, the direct exchange when
+  ``num_nodes`` is no power of two) and per wave of at most ``pacing`` entries: put the wave's
+  runs into the rail peer's entries, wait for its wave, fan the arrived runs out to the local
+  peers (``fan``, beside the next wave's put); on ``place`` the arrived runs and the local
+  peers' forwarded runs are placed while ``put`` moves the next wave (pipelined).
+- TIDE-RS round (:func:`rs_round_ops`, on ``fan``): pack this round's slices (own slice into
+  the own row), put each peer's row, a bare signal to every local peer not put to, wait one
+  signal from every local peer, sum the rows.
+- TIDE-RS phase 2 (:func:`ring_step_ops`, on ``ring``): the cross-node partials; before each
+  piece the ring waits for ``put`` (the NIC rule: an all-gather issued before it goes first).
 
 Reuse without credits: a peer writes half ``h`` of this rank's area again two rounds of that
 area later, after it waited for a signal this rank issued in the round between, which this
-rank issued after every read of half ``h`` (the round's last ops join ``put`` and ``place``
-into ``main``, the next round forks from ``main``). Every pair of local peers signals each
+rank issued after every read of half ``h`` (the round's last ops join ``put``, ``fan`` and
+``place`` into ``main``, the next round forks from ``main``). Every pair of local peers signals each
 other in every round; every pair of rail peers exchanges in every all-gather (recursive
 doubling: the same partners each round; direct exchange: all pairs).
 """
@@ -55,6 +66,7 @@ from dataclasses import dataclass
 from .plan import GroupPlan, PackedEntry, RSRound, RSSlice, WorldLayout
 
 __all__ = [
+    "RS_PIECE_BYTES",
     "Accumulate",
     "Fork",
     "Op",
@@ -68,7 +80,9 @@ __all__ = [
     "WindowLayout",
     "ag_in_place_ops",
     "ag_round_ops",
+    "cross_node_segments",
     "entry_runs",
+    "in_place_writers",
     "paced_pieces",
     "ring_layout",
     "ring_step_ops",
@@ -77,7 +91,13 @@ __all__ = [
 ]  # fmt: skip
 
 AREA_ALIGN = 256  # bytes: every area starts on this boundary
-MAIN, PUT, PLACE = "main", "put", "place"  # the streams of a round
+# The streams of a round: the caller's (TIDE's), cross-node puts and rail waits, node-local
+# puts and signals (the fan-out), placement copies and the waits they need; TIDE-RS phase 2's
+# ring (its puts, waits and credits).
+MAIN, PUT, FAN, PLACE, RING = "main", "put", "fan", "place", "ring"
+# TIDE-RS phase 2 puts a partial in pieces of at most this many bytes (about 84 us at
+# 400 Gb/s): an all-gather issued after them waits behind at most one piece on the NIC.
+RS_PIECE_BYTES = 4 << 20
 
 
 def _align(nbytes: int) -> int:
@@ -315,7 +335,7 @@ def ag_round_ops(
 
     def fan_out(first: int, count: int) -> list[Op]:
         return [
-            Put(PUT, wl.rail(rail_half, first, entry), count * entry, peer,
+            Put(FAN, wl.rail(rail_half, first, entry), count * entry, peer,
                 wl.local_entry(local_half, local, layout.local_of(peer), first, entry),
                 run_tags(first, count))
             for peer in peers
@@ -336,7 +356,7 @@ def ag_round_ops(
         return ops
 
     ops: list[Op] = [PackOwn(MAIN, wl.rail(rail_half, node, entry), entry, tag(rank)),
-                     Fork(MAIN, PUT), Fork(MAIN, PLACE)]  # fmt: skip
+                     Fork(MAIN, PUT), Fork(MAIN, FAN), Fork(MAIN, PLACE)]  # fmt: skip
     ops += fan_out(node, 1)
     ops.append(Place(PLACE, ((wl.rail(rail_half, node, entry), rank, tag(rank)),), entry))
     ops += arrivals(node, 1)
@@ -346,6 +366,8 @@ def ag_round_ops(
                            wl.rail(rail_half, first, entry), run_tags(first, count)))  # fmt: skip
         if recvs:
             ops.append(Wait(PUT, recv_peer, len(recvs)))
+            if peers:  # forwarded on ``fan`` while ``put`` moves the next wave
+                ops.append(Fork(PUT, FAN))
         for first, count in recvs:
             ops += fan_out(first, count)
         if recvs:
@@ -357,49 +379,146 @@ def ag_round_ops(
             ), entry))  # fmt: skip
         for first, count in recvs:
             ops += arrivals(first, count)
-    ops += [Fork(PUT, MAIN), Fork(PLACE, MAIN)]
+    ops += [Fork(PUT, MAIN), Fork(FAN, MAIN), Fork(PLACE, MAIN)]
     return ops
+
+
+def cross_node_segments(shard_bytes: tuple[int, ...], lws: int) -> list[tuple[tuple[int, int, int], ...]]:
+    """Which shards of a node block each local index moves across nodes in place: per local
+    index ``l``, ``(parameter, first shard, end shard)`` runs (shards ``[a, b)`` of the
+    parameter's node block, ``0 <= a < b <= lws``). The node blocks of the group's
+    parameters, laid end to end, are cut into ``lws`` runs of about equal bytes at shard
+    boundaries (a shard goes to the index its middle byte falls in): balanced NIC bytes per
+    rank, and a parameter a rank owns whole is ONE contiguous range across any run of nodes
+    (FSDP2's layout: the ranks of a node, and of consecutive nodes, are consecutive), so
+    its cross-node puts and its forwards are one each per run of nodes."""
+    total = sum(lws * n for n in shard_bytes)
+    owned: list[list[tuple[int, int, int]]] = [[] for _ in range(lws)]
+    if total == 0:
+        return [tuple(o) for o in owned]
+    cum = 0
+    for i, n in enumerate(shard_bytes):
+        for a in range(lws if n else 0):
+            owner = min(lws - 1, (2 * cum + n) * lws // (2 * total))
+            runs = owned[owner]
+            if runs and runs[-1][0] == i and runs[-1][2] == a:
+                runs[-1] = (i, runs[-1][1], a + 1)
+            else:
+                runs.append((i, a, a + 1))
+            cum += n
+    return [tuple(o) for o in owned]
+
+
+def _block_pieces(segments: tuple[tuple[int, int, int], ...], node_runs: list[tuple[int, int]],
+                  lws: int) -> list[tuple[int, int, int]]:  # fmt: skip
+    """The contiguous ranges of ``segments`` over ``node_runs`` as ``(parameter, first shard,
+    shard count)`` in the parameter's storage: a whole node block (``0, lws``) over a run of
+    nodes is one range, a part of it one range per node."""
+    pieces = []
+    for i, a, b in segments:
+        for first, count in node_runs:
+            if (a, b) == (0, lws):
+                pieces.append((i, first * lws, count * lws))
+            else:
+                pieces += [(i, m * lws + a, b - a) for m in range(first, first + count)]
+    return pieces
+
+
+def _paced(pieces: list, pacing: int) -> list[list]:
+    """Waves of at most ``pacing`` puts (``pacing`` <= 0: one wave)."""
+    if pacing <= 0:
+        return [pieces] if pieces else []
+    return [pieces[i : i + pacing] for i in range(0, len(pieces), pacing)]
+
+
+def in_place_writers(layout: WorldLayout, rank: int, exchanges: tuple) -> tuple[int, ...]:
+    """Group ranks that put into ``rank``'s arena in an in-place all-gather: its local peers
+    and the rail peers it receives from (they wait for its credits before they write)."""
+    node, local = layout.node_of(rank), layout.local_of(rank)
+    local_peers = {layout.rank_of(node, lp) for lp in range(layout.local_world_size) if lp != local}
+    return tuple(sorted(local_peers | {ex.recv_peer for ex in exchanges}))
 
 
 def ag_in_place_ops(
     plan: GroupPlan, param_offsets: tuple[int, ...], shard_bytes: tuple[int, ...],
-    start: int, credit: int, credits_seen: dict[int, int], ag_index: int,
+    start: int, credit: int, credits_seen: dict[int, int], ag_index: int, pacing: int = 0,
 ) -> tuple[list[Op], dict[int, int]]:  # fmt: skip
-    """One all-gather of ``plan`` (one rank per node, cross-node exchanges only) straight into
-    the parameters' storage at arena byte ``start``: parameter ``i`` at ``start +
-    param_offsets[i]``, rank ``r``'s shard of it ``shard_bytes[i]`` bytes at ``r *
-    shard_bytes[i]`` from there (FSDP2's all-gather output layout). The own shards are
-    already there (cast by the caller on ``main``). ``credit``: the release number the range
-    waits for (``window_arena``); ``credits_seen``: credits already waited for per peer.
-    Returns the ops and the new ``credits_seen``. Per exchange: one put per parameter and
-    run of ranks into the same bytes of the peer's arena, then a wait for the peer's puts."""
-    layout: WorldLayout = plan.layout
-    if layout.local_world_size != 1:
-        raise ValueError("the in-place all-gather runs at one rank per node")
-    seen = dict(credits_seen)
-    live = [i for i, n in enumerate(shard_bytes) if n]
+    """One all-gather of ``plan`` (cross-node exchanges only) straight into the parameters'
+    storage at arena byte ``start``, at any layout ``N x L``: parameter ``i`` at ``start +
+    param_offsets[i]``, group rank ``r``'s shard of it ``shard_bytes[i]`` bytes at ``r *
+    shard_bytes[i]`` from there (FSDP2's all-gather output layout). The own shards are already
+    there (cast by the caller on ``main``). No pack, no placement copy:
 
-    def puts(runs: list[tuple[int, int]], peer: int) -> list[Op]:
-        return [
-            Put(PUT, start + param_offsets[i] + first * shard_bytes[i], count * shard_bytes[i],
-                peer, start + param_offsets[i] + first * shard_bytes[i],
-                tuple(("ag", ag_index, r, i) for r in range(first, first + count)))
-            for first, count in runs for i in live
-        ]  # fmt: skip
+    1. ``fan``: the own shard of every parameter put to each local peer, same offsets;
+    2. ``put``: once the local peers' shards arrived (the node block is whole), per
+       cross-node exchange (recursive doubling among rail peers, the direct exchange when
+       ``N`` is no power of two) and wave of at most ``pacing`` puts: the shards this local
+       index moves (:func:`cross_node_segments`) over the runs of nodes it holds, one put per
+       contiguous range, into the rail peer's arena; then a wait for the peer's wave;
+    3. ``fan``: each arrived range forwarded to every local peer, arena to arena, while
+       ``put`` goes on with the next wave (its own stream: the fan-out and the network
+       overlap); at the end, a wait for what the local peers forwarded.
+
+    Signals to a local peer go on ``fan`` only, to a rail peer on ``put`` only (each peer
+    sees a rank's signals in issue order). ``credit``: the release number the range waits
+    for (``window_arena``), waited per peer before the first put to it; ``credits_seen``:
+    credits already waited for per peer. Returns the ops and the new ``credits_seen``."""
+    layout: WorldLayout = plan.layout
+    rank, lws = plan.rank, layout.local_world_size
+    node, local = layout.node_of(rank), layout.local_of(rank)
+    seen = dict(credits_seen)
+    live = tuple(i for i, n in enumerate(shard_bytes) if n)
+    segments = cross_node_segments(shard_bytes, lws)
+    local_peers = [layout.rank_of(node, lp) for lp in range(lws) if lp != local]
+
+    def put(stream: str, peer: int, i: int, first: int, count: int) -> Put:
+        at = start + param_offsets[i] + first * shard_bytes[i]
+        return Put(stream, at, count * shard_bytes[i], peer, at,
+                   tuple(("ag", ag_index, r, i) for r in range(first, first + count)))  # fmt: skip
+
+    def credited(stream: str, peer: int) -> list[Op]:
+        if credit <= seen.get(peer, 0):
+            return []
+        wait = Wait(stream, peer, credit - seen.get(peer, 0), "ag_credit")
+        seen[peer] = credit
+        return [wait]
 
     ops: list[Op] = [Fork(MAIN, PUT)]
+    if local_peers:
+        ops.append(Fork(MAIN, FAN))
+    for peer in local_peers:  # 1. the own shards to the node
+        ops += credited(FAN, peer)
+        ops += [put(FAN, peer, i, rank, 1) for i in live]
+    if live:  # the node block must be whole before its shards cross nodes
+        ops += [Wait(PUT, peer, len(live)) for peer in local_peers]
+    forwarded = {lp: 0 for lp in range(lws) if lp != local}  # puts each local index forwards
     for ex in plan.exchanges:
         if ex.phase != "cross_node":
             raise ValueError("the window all-gather takes a plan of cross-node exchanges only")
-        sends = entry_runs([layout.node_of(r) for r in ex.send_ranks])
-        recvs = entry_runs([layout.node_of(r) for r in ex.recv_ranks])
-        if sends and credit > seen.get(ex.send_peer, 0):
-            ops.append(Wait(PUT, ex.send_peer, credit - seen.get(ex.send_peer, 0), "ag_credit"))
-            seen[ex.send_peer] = credit
-        ops += puts(sends, ex.send_peer)
-        if recvs and live:
-            ops.append(Wait(PUT, ex.recv_peer, len(recvs) * len(live)))
+        send_runs = entry_runs([layout.node_of(r) for r in ex.send_ranks])
+        recv_runs = entry_runs([layout.node_of(r) for r in ex.recv_ranks])
+        sends = _paced(_block_pieces(segments[local], send_runs, lws), pacing)
+        recvs = _paced(_block_pieces(segments[local], recv_runs, lws), pacing)
+        if ex.send_peer != ex.recv_peer and len(sends) != len(recvs):
+            raise AssertionError("direct exchange: send and receive waves differ")
+        for lp in forwarded:
+            forwarded[lp] += len(_block_pieces(segments[lp], recv_runs, lws))
+        for wave in range(max(len(sends), len(recvs))):
+            if wave < len(sends):
+                ops += credited(PUT, ex.send_peer)
+                ops += [put(PUT, ex.send_peer, *piece) for piece in sends[wave]]
+            if wave < len(recvs):
+                ops.append(Wait(PUT, ex.recv_peer, len(recvs[wave])))
+                if local_peers:  # 3. forwarded to the node while ``put`` goes on
+                    ops.append(Fork(PUT, FAN))
+                    ops += [put(FAN, peer, *piece) for piece in recvs[wave]
+                            for peer in local_peers]  # fmt: skip
+    for lp, count in forwarded.items():
+        if count:
+            ops.append(Wait(FAN, layout.rank_of(node, lp), count))
     ops.append(Fork(PUT, MAIN))
+    if local_peers:
+        ops.append(Fork(FAN, MAIN))
     return ops, seen
 
 
@@ -434,22 +553,22 @@ def rs_round_ops(
 
     dsts = tuple(row_start(p.peer) + p.dst_offset * itemsize for p in pushes)
     rows = tuple((row_start(peer), row_bytes, tag(local, peer)) for peer, _ in rnd.sends)
-    ops: list[Op] = [PackSlices(MAIN, tuple(pushes), dsts, rows), Fork(MAIN, PUT)]
+    ops: list[Op] = [PackSlices(MAIN, tuple(pushes), dsts, rows), Fork(MAIN, FAN)]
     sent_to = set()
     for peer, row in rnd.sends:
         if peer == local:
             continue
         sent_to.add(peer)
-        ops.append(Put(PUT, wl.send_row(send_index[peer], row_bytes), row_bytes,
+        ops.append(Put(FAN, wl.send_row(send_index[peer], row_bytes), row_bytes,
                        layout.rank_of(node, peer), wl.rs_row(half, row, row_bytes),
                        (tag(local, peer),)))  # fmt: skip
     for lp in range(lws):
         if lp != local and lp not in sent_to:
-            ops.append(Signal(PUT, layout.rank_of(node, lp)))
+            ops.append(Signal(FAN, layout.rank_of(node, lp)))
     for lp in range(lws):
         if lp != local:
-            ops.append(Wait(PUT, layout.rank_of(node, lp), 1))
-    ops.append(Fork(PUT, MAIN))
+            ops.append(Wait(FAN, layout.rank_of(node, lp), 1))
+    ops.append(Fork(FAN, MAIN))
     recv_tags = [None] * len(rnd.recvs)
     for peer, row in rnd.recvs:
         recv_tags[row] = tag(peer, local)
@@ -508,15 +627,24 @@ def ring_layout(slots: int, shard_bytes: int, wire: bool) -> RingLayout:
 
 def ring_step_ops(
     rl: RingLayout, layout: WorldLayout, rank: int, step_index: int, src: int, nbytes: int,
+    piece_bytes: int = RS_PIECE_BYTES,
 ) -> list[Op]:  # fmt: skip
-    """Phase-2 step ``step_index`` (counted over the run) of ``rank`` as ops on the ``put``
+    """Phase-2 step ``step_index`` (counted over the run) of ``rank`` as ops on the ``ring``
     stream: wait for the receiver's credit (from the second lap of the ring on), put the
-    ``nbytes`` partial at own byte ``src`` into the receiver's region, wait for this rank's
-    partial, sum it (``Accumulate`` of one row), credit the rank that puts into that region
-    next (``slots`` steps later)."""
+    ``nbytes`` partial at own byte ``src`` into the receiver's region in pieces of at most
+    ``piece_bytes``, wait for this rank's partial (as many pieces), sum it (``Accumulate``
+    of one row), credit the rank that puts into that region next (``slots`` steps later).
+
+    The NIC rule (one NIC per GPU carries TIDE-AG's cross-node puts and phase 2's): before
+    each piece the ring waits for everything issued so far on TIDE-AG's ``put`` stream
+    (``Fork(PUT, RING)``): an all-gather issued before the piece goes first (the next layer
+    waits on it, the gradient does not), and one issued after waits behind at most the piece
+    in flight. Every rank puts pieces of one size, so every receiver waits for as many."""
     num_nodes = layout.num_nodes
     if num_nodes < 2:
         raise ValueError("phase 2 needs more than one node")
+    if piece_bytes < 1:
+        raise ValueError(f"phase-2 pieces of {piece_bytes} B")
     steps = num_nodes - 1
     node, local = layout.node_of(rank), layout.local_of(rank)
 
@@ -533,11 +661,15 @@ def ring_step_ops(
         raise AssertionError(f"partial of {nbytes} B > region of {rl.region_bytes} B")
     ops: list[Op] = []
     if step_index >= rl.slots:
-        ops.append(Wait(PUT, send_peer, 1, comm="credit"))
+        ops.append(Wait(RING, send_peer, 1, comm="credit"))
+    pieces = range(0, nbytes, piece_bytes) if nbytes else range(1)
+    for at in pieces:
+        ops += [Fork(PUT, RING),
+                Put(RING, src + at, min(piece_bytes, nbytes - at), send_peer, rl.recv(region) + at,
+                    (("p2", step_index, rank),), "data")]  # fmt: skip
     ops += [
-        Put(PUT, src, nbytes, send_peer, rl.recv(region), (("p2", step_index, rank),), "data"),
-        Wait(PUT, recv_peer, 1, comm="data"),
-        Accumulate(PUT, rl.recv(region), 1, nbytes, (("p2", step_index, recv_peer),)),
-        Signal(PUT, next_sender, comm="credit"),
+        Wait(RING, recv_peer, len(pieces), comm="data"),
+        Accumulate(RING, rl.recv(region), 1, nbytes, (("p2", step_index, recv_peer),)),
+        Signal(RING, next_sender, comm="credit"),
     ]
     return ops

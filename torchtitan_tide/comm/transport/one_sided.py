@@ -12,7 +12,10 @@ TIDE-owned communicators over the FSDP group (``nccl_rma.RmaComm``, or the CPU s
 
 Streams (CUDA): the puts, waits and credits run on ``tide_one_sided_rs``
 (``streams.run_beside``: in order with the caller's stream, phase 2's), the sum on the
-caller's stream between them; a profile shows no kernel but the accumulate.
+caller's stream between them; a profile shows no kernel but the accumulate. The NIC rule
+(``ring_step_ops``): before each piece of a partial, that stream waits for TIDE-AG's
+cross-node put stream (``tide_one_sided``, the windows' ``put``): an all-gather issued
+before it goes first, one issued after waits behind at most one piece.
 """
 
 from __future__ import annotations
@@ -25,10 +28,22 @@ import torch.distributed as dist
 
 from .. import kernels, streams, watchdog
 from ..plan import WorldLayout
-from ..window_rounds import Accumulate, Put, RingLayout, Signal, Wait, ring_layout, ring_step_ops
+from ..window_rounds import (
+    PUT,
+    Accumulate,
+    Fork,
+    Put,
+    RingLayout,
+    Signal,
+    Wait,
+    ring_layout,
+    ring_step_ops,
+)
 from . import global_rank
 
-__all__ = ["OneSidedCrossNode", "rs_ring_bytes"]
+__all__ = ["AG_PUT_STREAM", "OneSidedCrossNode", "rs_ring_bytes"]
+
+AG_PUT_STREAM = "tide_one_sided"  # TIDE-AG's cross-node puts (transport/windows.py's ``put``)
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +62,7 @@ class _Counters:
     put_bytes: int = 0
     waits: int = 0
     credits: int = 0
+    yields: int = 0  # waits for TIDE-AG's put stream before a piece (the NIC rule)
 
 
 class OneSidedCrossNode:
@@ -139,6 +155,12 @@ class OneSidedCrossNode:
         flush()
 
     def _one(self, op, group: dist.ProcessGroup, stream, device: torch.device) -> None:
+        if isinstance(op, Fork):  # the NIC rule: TIDE-AG's puts issued so far go first
+            assert op.src == PUT, op
+            if stream is not None:
+                stream.wait_stream(streams.stream(AG_PUT_STREAM, device))
+            self.counters.yields += 1
+            return
         comm = self.data_comm if op.comm == "data" else self.credit_comm
         if isinstance(op, Put):
             src = self.window.tensor.narrow(0, op.src, op.nbytes)

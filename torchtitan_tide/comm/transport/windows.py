@@ -10,27 +10,30 @@ share a GPU (NCCL >= 2.30 with ``NCCL_MULTI_RANK_GPU_ENABLE=1``), which torch's 
 memory refuses. Decisions and measurements: docs/design/2026-12-04-windows.md.
 
 Executing the ops (CUDA): ``main`` is the caller's current stream (TIDE's stream), ``put``
-the ``tide_one_sided`` stream (every put and signal, the rail waits), ``place`` the
-``tide_place`` stream (placement copies, waits on local peers); ``Fork`` is
-``dst.wait_stream(src)``. Placements are ONE ``cudaMemcpyBatchAsync`` per op (copy engine),
-TIDE-RS's pack of gradient slices one batch too; the own-shard pack is the cast FSDP2's
-copy-in does (one ``_foreach_copy_``), TIDE-RS's sum the few-CTA accumulate kernel. Every
-wait on a peer is registered with the watchdog. CPU (stand-in): the same ops in order on the
-host (a wait blocks until the peer's signal).
+the ``tide_one_sided`` stream (cross-node puts, the rail waits), ``fan`` the ``tide_fan``
+stream (node-local puts and signals: the fan-out), ``place`` the ``tide_place`` stream
+(placement copies, waits on local peers); ``Fork`` is ``dst.wait_stream(src)``. Placements
+are ONE ``cudaMemcpyBatchAsync`` per op (copy engine), TIDE-RS's pack of gradient slices one
+batch too; the own-shard pack is the cast FSDP2's copy-in does (one ``_foreach_copy_``),
+TIDE-RS's sum the few-CTA accumulate kernel. Every wait on a peer is registered with the
+watchdog. CPU (stand-in): the same ops in order on the host (a wait blocks until the peer's
+signal).
 
 Buffers: the window is owned by :class:`WindowSlots` (one per process group and device,
 shared by its FSDP groups; the communicator frees it at ``comm.remove``). With the poison
 test hook set (``poison.set_poison``) every half is filled with it after its last read, so a
 read of stale bytes shows.
 
-In place (one rank per node, :class:`InPlace`): TIDE-AG points each parameter's unsharded
-storage at a range of the window's arena before the all-gather (``bind_in_place``: the
-storage object's data pointer is swapped, ``storage_swap``, so every view of it, autograd's
-saved ones included, follows, as with FSDP2's ``resize_``), the own shards are cast there by
-``tide_all_gather`` and the peers' shards are put there: no pack, no placement copy. FSDP2's
-reshard (``FSDPParam.free_unsharded_param``, patched by ``fsdp_patch``) calls
-:meth:`WindowTransport.release`: the pointer is swapped back, the range freed, and a credit
-sent on the ``ag_credit`` communicator to every rank that writes into this one, on the
+In place (any layout across nodes, :class:`InPlace`; docs/design/2026-12-07-zero-copy-nxl.md):
+TIDE-AG points each parameter's unsharded storage at a range of the window's arena before
+the all-gather (``bind_in_place``: the storage object's data pointer is swapped,
+``storage_swap``, so every view of it, autograd's saved ones included, follows, as with
+FSDP2's ``resize_``), the own shards are cast there by ``tide_all_gather`` and every other
+shard is put there (``window_rounds.ag_in_place_ops``): no pack, no placement copy. FSDP2's
+reshard (``FSDPParam.free_unsharded_param``, patched by ``fsdp_patch``; also an all-gather
+FSDP2 drops at the end of a backward) calls :meth:`WindowTransport.release`: the pointer is
+swapped back, the range freed, and a credit sent on the ``ag_credit`` communicator to every
+rank that writes into this one (its local peers and the rail peers it receives from), on the
 ``tide_credit`` stream after the reshard point of the caller's stream. An all-gather that
 finds no free range takes the placement path (logged once per group). With the poison hook
 set, a released range is filled with it before the credit goes out.
@@ -50,6 +53,7 @@ from ..plan import GroupPlan, RSRound, RSSegment, RSSlice, WorldLayout, packed_e
 from ..poison import poison_value
 from ..window_arena import WindowArena, aligned
 from ..window_rounds import (
+    FAN,
     MAIN,
     PLACE,
     PUT,
@@ -65,17 +69,19 @@ from ..window_rounds import (
     WindowLayout,
     ag_in_place_ops,
     ag_round_ops,
+    in_place_writers,
     rs_round_ops,
 )
 from . import global_rank
 from .copy_engine import _try_batch, cast_into_entry
+from .one_sided import AG_PUT_STREAM
 from .storage_swap import swap_storage_pairs, swap_storages
 
 __all__ = ["InPlace", "WindowCounters", "WindowSlots", "WindowTransport"]
 
 logger = logging.getLogger(__name__)
 
-_STREAMS = {PUT: "tide_one_sided", PLACE: "tide_place"}
+_STREAMS = {PUT: AG_PUT_STREAM, FAN: "tide_fan", PLACE: "tide_place"}
 
 
 @dataclass
@@ -185,7 +191,7 @@ class WindowTransport:
         without a reshard) is given back first. Called on TIDE's stream, which then waits for
         this rank's last use of the range."""
         ip = self.in_place
-        if ip is None or not outputs or plan.layout.local_world_size != 1 or not plan.exchanges:
+        if ip is None or not outputs or not plan.exchanges:
             return False
         if any(type(o) is not torch.Tensor or getattr(fp, "_unsharded_inner_tensors", None)
                for fp, o in zip(fsdp_params, outputs)):  # fmt: skip
@@ -213,7 +219,7 @@ class WindowTransport:
                     fqn, total, ip.arena.in_use, ip.arena.nbytes,
                 )  # fmt: skip
             return False
-        writers = tuple(sorted({ex.recv_peer for ex in plan.exchanges}))
+        writers = in_place_writers(plan.layout, plan.rank, plan.exchanges)
         if ip.writers is None:
             ip.writers = writers
         elif ip.writers != writers:
@@ -343,7 +349,7 @@ class WindowTransport:
         slots, ip = self.slots, self.in_place
         ops, ip.credits_seen = ag_in_place_ops(
             plan, offsets, shard_bytes, taken.start, taken.credit, ip.credits_seen,
-            slots.counters.in_place_all_gathers,
+            slots.counters.in_place_all_gathers, self.pacing,
         )  # fmt: skip
         slots.counters.all_gathers += 1
         slots.counters.in_place_all_gathers += 1
