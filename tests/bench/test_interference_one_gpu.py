@@ -106,7 +106,7 @@ def test_result_files_are_what_the_simulator_reads(tmp_path):
     rows = [{"compute": "attention", "side": "none", "compute_alone_ms": 2.0, "error": None}]
     rows += [
         one.summarize("attention", side, one.Pair([[2.0, 2.0]], [[(1, 2.2)]], [4.0], [4.4],
-                                                  [True]))
+                                                  [True]), side_bytes=2**30)
         for side in one.SIDES
     ]  # fmt: skip
     meta = {"date": "2026-12-05T00:00:00Z", "machine": "NVIDIA H200 x 1", "hostname": "h",
@@ -121,7 +121,9 @@ def test_result_files_are_what_the_simulator_reads(tmp_path):
     fig = figures[("ce", "attention")]
     assert fig.kind == "measured (one H200)" and fig.compute == pytest.approx(0.10)
     assert fig.comm == pytest.approx(0.10)
-    assert {e for e, _ in figures} == {"ce", "nccl", "nccl_symk", "sm_ag", "sm_rs"}
+    assert {e for e, _ in figures} == {"ce", "ce_local", "nccl", "nccl_symk", "sm_ag", "sm_rs"}
+    rate, kind, _ = interference.local_copy_rate(tmp_path, (1e6, "a device copy"))
+    assert (rate, kind) == (pytest.approx(250.0), "measured (one H200)")  # 1 GiB in 4 ms
     assert json.loads(Path(stem + ".json").read_text())["tables"][0]["rows"][0]["side"] == "none"
 
 
