@@ -277,3 +277,16 @@ def test_waits_take_the_slowest_ranks_view():
                     key=lambda s: s.start_ms)  # fmt: skip
     assert len(fan) == 7 and len(places) == 8  # the own entry, then one per local peer
     assert all(p.start_ms >= max(s.end_ms for s in fan) - 1e-9 for p in places[1:])
+
+
+def test_what_ifs_are_named_and_apart_from_the_headline():
+    """The report's what-ifs change one input each of the NCCL 2.31 row and say so; the
+    row 'as run' is the headline's, and removing the local copies can only help."""
+    rows = report.what_if_rows(inputs.RESULTS, cluster.Cluster(), gpus=16)
+    base = {(r["model"], r["variant"]): r for r in _baseline()}
+    for model in ("llama70b", "qwen3_30b_a3b", "wan22_a14b"):
+        got = {r["what_if"]: r for r in rows if r["model"] == model}
+        assert got["as run"]["sim_step_ms"] == pytest.approx(
+            base[(model, report.AUTO_NEW)]["sim_step_ms"])
+        free = got["no local copies (upper bound of in place at N x L)"]
+        assert free["sim_step_ms"] <= got["as run"]["sim_step_ms"] + 1e-6

@@ -17,7 +17,8 @@ Rates, both directions of interference, and shared links:
 - ``link`` (a shared link: one NIC per GPU, its NVLink, its HBM for local copies): the
   ops running on one link share it; each ``flow`` (a communicator, or a stream) on it
   progresses FIFO (its earliest-started op only), the flows of the highest ``priority``
-  split the link equally, lower ones wait. ``duration_ms`` is the op alone on its link.
+  split the link equally, lower ones wait (and, waiting, slow nothing beside them).
+  ``duration_ms`` is the op alone on its link.
 - ``sm_share`` (ops of kind ``sm``: kernels of the comm library on their own stream, e.g.
   TIDE-RS's accumulate): while one runs, every op on the compute stream progresses at
   ``1 - share`` of its rate (share 1: compute pauses). The kernel itself runs at its
@@ -134,10 +135,10 @@ def simulate(ops: Sequence[Op]) -> list[Span]:
             blocked = [queues[s][heads[s]].name for s in queues if heads[s] < len(queues[s])]
             raise SimulationError(f"ops wait on each other (a cycle or bad order): {blocked}")
         running = [by_name[n] for n in remaining]  # in start order
-        kinds = {op.kind for op in running}
+        shares = _link_shares(running)
+        kinds = {op.kind for op, share in zip(running, shares) if share > 0}  # waiting: idle
         held = max((op.sm_share for op in running), default=0.0)
-        rates = {op.name: _rate(op, kinds, held) * share
-                 for op, share in zip(running, _link_shares(running))}  # fmt: skip
+        rates = {op.name: _rate(op, kinds, held) * share for op, share in zip(running, shares)}
         step = min(remaining[n] / rates[n] for n in remaining if rates[n] > 0)
         now += step
         for name in list(remaining):

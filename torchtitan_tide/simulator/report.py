@@ -415,6 +415,43 @@ def tokens_nic_rows(
     return rows
 
 
+def what_if_rows(results_dir: Path, cluster: Cluster, gpus: int = 64) -> list[dict[str, Any]]:
+    """What would close the rest, NOT what the code runs: the headline's NCCL 2.31 row with
+    one input changed, each named. ``copies as NVLink copies``: local copies stretched and
+    slowing compute as the copy engine's NVLink copies (+1.8%, +9%), not the most
+    pessimistic figure (what the one-GPU measurement of a copy forced onto the copy
+    engine may show); ``no local copies``: placement and pack free (an upper bound on in
+    place at every layout, issue 45, which would remove the placement copies, not all)."""
+    from torchtitan_tide.fsdp_groups import load_config_model
+
+    new = replace(cluster, nccl_version=NCCL_NEW)
+    rows = []
+    for model in ("llama70b", "qwen3_30b_a3b", "wan22_a14b"):
+        steps = {}
+        for mode in ("fsdp2", "symm_mem", "tide"):
+            cm = load_config_model(f"{model}_{mode}")
+            ins = build_inputs(cm, results_dir, None, 0.4)
+            variants = {mode: ins}
+            if mode == "tide":
+                variants = {
+                    "as run": ins,
+                    "local copies as NVLink copies": replace(ins, engines={
+                        **ins.engines, "ce_local": ins.engines["ce"]}),
+                    "no local copies (upper bound of in place at N x L)": replace(
+                        ins, copy_gibps=1e12, engines={**ins.engines, "ce_local": (0.0, 0.0)}),
+                }  # fmt: skip
+            for name, variant in variants.items():
+                sim = simulate_config(f"{model}_{mode}", gpus, [mode], new, results_dir, cm=cm,
+                                      inputs=variant)  # fmt: skip
+                steps[name] = sim["rows"][0]["sim_step_ms"]
+        for name in ("as run", "local copies as NVLink copies",
+                     "no local copies (upper bound of in place at N x L)"):  # fmt: skip
+            rows.append({"model": model, "what_if": name, "sim_step_ms": steps[name],
+                         "vs_fsdp2_speedup": steps["fsdp2"] / steps[name],
+                         "vs_symm_speedup": steps["symm_mem"] / steps[name]})  # fmt: skip
+    return rows
+
+
 def headline_rows(baseline: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per model and NCCL: the row ``auto`` runs there against stock FSDP2 and the symm_mem
     of the same NCCL, the ceiling beside it, what it still loses, and the paper's figures."""
@@ -492,6 +529,9 @@ HEADLINE_COLUMNS = [("model", "model"), ("nccl", "NCCL"), ("tide_runs", "TIDE ru
                     ("exposed_ms", "of it: exposed comm ms"), ("layout_ms", "of it: layout ms"),
                     ("local_copies_ms", "local copies, device ms (off the compute stream)"),
                     ("paper", "the paper")]  # fmt: skip
+WHAT_IF_COLUMNS = [("model", "model"), ("what_if", "what if (not what the code runs)"),
+                   ("sim_step_ms", "sim step ms"), ("vs_fsdp2_speedup", "speed-up vs fsdp2"),
+                   ("vs_symm_speedup", f"speed-up vs symm_mem (NCCL {NCCL_NEW})")]  # fmt: skip
 REFERENCE_COLUMNS = [("config", "config"), ("gpus", "GPUs"), ("nodes", "nodes"), ("mode", "mode"),
                      ("tide_transport", "TIDE runs"), ("sim_step_ms", "sim step ms"),
                      ("sim_speedup_vs_fsdp2", "sim speed-up vs fsdp2"),
@@ -556,6 +596,7 @@ def write_report(results_dir: Path, out_dir: Path, cluster: Cluster) -> dict[str
     validation = validation_rows(results_dir, cluster)
     baseline = baseline_rows(results_dir, cluster)
     headline = headline_rows(baseline)
+    what_if = what_if_rows(results_dir, cluster)
     reference, inputs = reference_rows(results_dir, cluster)
     tokens_nic = tokens_nic_rows(results_dir, cluster)
     sensitivity = sensitivity_rows(results_dir, cluster)
@@ -567,13 +608,19 @@ def write_report(results_dir: Path, out_dir: Path, cluster: Cluster) -> dict[str
     figures = list(models["llama70b"].figures)
     meta = common.metadata(max(GPU_COUNTS), machine="cpu")
     stem = common.result_stem(out_dir, "simulation", meta)
-    sim = f"SIMULATION; {cluster.name}"
+    sim = (
+        f"SIMULATION; {cluster.gpus_per_node} GPUs per node, {cluster.nic_gbps_per_gpu:.0f} Gb/s "
+        "NIC per GPU, NCCL as each row says"
+    )
+    ref = f"SIMULATION; {cluster.name}"
     tables = [
         _table("Validation: simulated vs measured steps (2x H200; one H200)",
                VALIDATION_COLUMNS, validation),
         _table("Headline at 64 GPUs (8 x 8, 8192 tokens/GPU): the row `auto` runs on each NCCL "
                f"against stock and SymmMem of the same NCCL, with its ceiling ({sim})",
                HEADLINE_COLUMNS, headline),
+        _table(f"What would close the rest at 64 GPUs on NCCL {NCCL_NEW}: WHAT-IFS, not what the "
+               f"code runs (one input changed each; {sim})", WHAT_IF_COLUMNS, what_if),
         _table("64 GPUs: every row the code runs, against stock FSDP2 and the SymmMem of the "
                f"same NCCL, with the step's breakdown ({sim})", BASELINE_COLUMNS, baseline),
         _table("The paper's figures, our assumptions it does not state, the modeled links",
@@ -582,7 +629,7 @@ def write_report(results_dir: Path, out_dir: Path, cluster: Cluster) -> dict[str
                f"the code runs, with the ceiling ({sim})", TOKENS_NIC_COLUMNS, tokens_nic),
         _table("Interference per engine and compute class (f: compute beside it, g: it beside "
                "compute; what is measured, derived or modeled)", INTERFERENCE_COLUMNS, figures),
-        _table(f"Reference configs at 8-64 GPUs ({sim})", REFERENCE_COLUMNS, reference),
+        _table(f"Reference configs at 8-64 GPUs ({ref})", REFERENCE_COLUMNS, reference),
         _table(f"Sensitivity at 64 GPUs: node shape, NCCL, TIDE's wire, comm not slowed ({sim})",
                SENSITIVITY_COLUMNS, sensitivity),
     ]  # fmt: skip
@@ -598,6 +645,7 @@ def write_report(results_dir: Path, out_dir: Path, cluster: Cluster) -> dict[str
         "assumptions": list(ASSUMPTIONS),
         "validation": validation,
         "headline_64": headline,
+        "what_if_64": what_if,
         "baseline_64": baseline,
         "tokens_nic": tokens_nic,
         "interference": figures,
@@ -721,7 +769,9 @@ def draw_streams(path: Path, config: str, gpus: int, cluster: Cluster, results_d
     handles = [Patch(color=c, label=k) for k, c in COLORS.items()]
     handles.append(Patch(facecolor="none", edgecolor="red", hatch="////", label="exposed comm"))
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8)
-    fig.suptitle(f"SIMULATION: {config} at {gpus} GPUs ({cluster.name}), one step per comm mode",
+    fig.suptitle(f"SIMULATION: {config} at {gpus} GPUs ({cluster.gpus_per_node} per node, "
+                 f"{cluster.nic_gbps_per_gpu:.0f} Gb/s per GPU, NCCL {cluster.nccl_version}), "
+                 "one step per comm mode",
                  x=0.01, ha="left", fontsize=11)  # fmt: skip
     fig.tight_layout(rect=(0, 0.04, 1, 0.96))
     fig.savefig(path, dpi=110)
