@@ -72,8 +72,15 @@ SMALL_COMPUTE = {
     "grouped_experts": ("gemm", (4, 64, 128, 128)),
     "attention": ("attention", (1, 4, 512, 64)),
 }
-SIDES = ("copy_engine", "nccl_like_24", "nccl_like_9", "cast_foreach", "accumulate",
-         "local_copy_ce", "local_batch_ce")
+SIDES = (
+    "copy_engine",
+    "nccl_like_24",
+    "nccl_like_9",
+    "cast_foreach",
+    "accumulate",
+    "local_copy_ce",
+    "local_batch_ce",
+)
 NCCL_CTAS = {"nccl_like_24": 24, "nccl_like_9": 9}
 # One Llama-3.1-70B layer's parameter shapes (dim 8192, 64 / 8 heads of 128, FFN 28672).
 LLAMA_LAYER = ((8192, 8192), (1024, 8192), (1024, 8192), (8192, 8192), (28672, 8192),

@@ -145,8 +145,9 @@ def test_e_window_streams_as_the_code_issues_them(monkeypatch):
     fan = [s for s in puts if s.op.link == "nvlink"]
     assert len(rail) == 3 and len(fan) == 7 * 4
     assert rail[1].start_ms >= max(s.end_ms for s in fan if s.end_ms <= rail[1].start_ms + 1e-9)
-    assert not any(max(s.start_ms, r.start_ms) < min(s.end_ms, r.end_ms)
-                   for s in fan for r in rail)  # never beside
+    assert not any(
+        max(s.start_ms, r.start_ms) < min(s.end_ms, r.end_ms) for s in fan for r in rail
+    )  # never beside
     original = wr.ag_round_ops
 
     def fan_out_apart(*args, **kw):
@@ -169,8 +170,9 @@ def test_e_window_streams_as_the_code_issues_them(monkeypatch):
     fans = [s for n, s in apart.items() if s.op.stream == "tide_fan"]
     rails = sorted((s for s in apart.values() if s.op.link == "nic" and s.op.name.startswith(
         "layers.0.fwd.ag.")), key=lambda s: s.start_ms)  # fmt: skip
-    assert fans and any(max(f.start_ms, r.start_ms) < min(f.end_ms, r.end_ms)
-                        for f in fans for r in rails[1:])  # the fan-out beside the next put
+    assert fans and any(
+        max(f.start_ms, r.start_ms) < min(f.end_ms, r.end_ms) for f in fans for r in rails[1:]
+    )  # the fan-out beside the next put
 
 
 def test_f_compute_beside_two_engines_loses_both_shares():
@@ -287,6 +289,7 @@ def test_what_ifs_are_named_and_apart_from_the_headline():
     for model in ("llama70b", "qwen3_30b_a3b", "wan22_a14b"):
         got = {r["what_if"]: r for r in rows if r["model"] == model}
         assert got["as run"]["sim_step_ms"] == pytest.approx(
-            base[(model, report.AUTO_NEW)]["sim_step_ms"])
+            base[(model, report.AUTO_NEW)]["sim_step_ms"]
+        )
         free = got["no local copies (upper bound of in place at N x L)"]
         assert free["sim_step_ms"] <= got["as run"]["sim_step_ms"] + 1e-6
