@@ -81,9 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     rows = result["rows"]
     print(f"Simulated step (a SIMULATION, not a measurement): {args.config} at {args.gpus} GPUs "
-          f"({rows[0]['nodes']} node(s)), cluster: {cluster.name}; TIDE-RS wire "
-          f"{'bf16' if result['rs_wire_bytes'] == 2 else 'fp32'}, "
-          f"NCCL {cluster.nccl_version}")  # fmt: skip
+          f"({rows[0]['nodes']} node(s)), cluster: {cluster.name} (NCCL "
+          f"{cluster.nccl_version}); TIDE-RS wire "
+          f"{'bf16' if result['rs_wire_bytes'] == 2 else 'fp32'}")  # fmt: skip
     print("| mode | TIDE runs | step ms | speed-up vs fsdp2 | compute ms | SM-ms taken from "
           "compute | layout ms | exposed ms (fwd/bwd/tail) | accumulate ms | comm slowed ms |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
