@@ -11,7 +11,8 @@ from pathlib import Path
 
 from torchtitan_tide.simulator.cluster import load_cluster
 from torchtitan_tide.simulator.inputs import MODES, RESULTS, Workload, inputs_record
-from torchtitan_tide.simulator.step import AG_TRANSPORTS, CROSS_NODE, simulate_config
+from torchtitan_tide.simulator.plans import AG_TRANSPORTS, CROSS_NODE
+from torchtitan_tide.simulator.step import simulate_config
 
 # [tide] rs_wire_dtype's spellings and the short ones
 WIRE_BYTES = {"fp32": 4, "bf16": 2, "float32": 4, "bfloat16": 2}

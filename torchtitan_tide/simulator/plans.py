@@ -69,7 +69,16 @@ from torchtitan_tide.comm.plan import (
 from torchtitan_tide.simulator.interference import CE, CE_LOCAL, NCCL, NIC, SM_AG, SM_RS
 from torchtitan_tide.simulator.results import SimulateError
 
-__all__ = ["TRANSPORTS", "TideRun", "Timeline", "Work", "in_place_at"]
+__all__ = [
+    "AG_TRANSPORTS",
+    "CROSS_NODE",
+    "TRANSPORTS",
+    "TideModel",
+    "TideRun",
+    "Timeline",
+    "Work",
+    "in_place_at",
+]
 
 # CUDA streams of TIDE (comm/streams.py) and of the NCCL communicator TIDE's send/recv use
 TIDE, ONE_SIDED, PLACE, RS_CROSS, RS_LOCAL, NCCL_P2P = (
@@ -103,20 +112,45 @@ class Work:
     priority: int = 0
 
 
+AG_TRANSPORTS = ("auto", "nccl_windows", "copy_engine", "nccl_p2p", "gloo")  # [tide] ag_transport
+CROSS_NODE = ("auto", "p2p", "nccl_one_sided")  # [tide] cross_node_transport
+
+
+@dataclass(frozen=True)
+class TideModel:
+    """The ``[tide]`` options the code reads for its run (``ag_transport``,
+    ``cross_node_transport``, ...); ``rs_wire_bytes``: bytes per element of TIDE-RS's
+    cross-node partials (4: fp32; 2: bf16). What runs on a cluster: :func:`tide_run`."""
+
+    ag_transport: str = "auto"
+    cross_node_transport: str = "auto"
+    rs_inflight: int = 2
+    rs_rows: int = 2
+    slot_reuse: bool = True
+    rs_wire_bytes: int = 4
+    ag_pacing: int = 0
+    ag_in_place_groups: int = 4
+
+    def __post_init__(self) -> None:
+        if self.ag_transport not in AG_TRANSPORTS:
+            raise SimulateError(f"[tide] ag_transport {self.ag_transport!r}: choose from "
+                                f"{AG_TRANSPORTS}")  # fmt: skip
+        if self.cross_node_transport not in CROSS_NODE:
+            raise SimulateError(f"[tide] cross_node_transport {self.cross_node_transport!r}: "
+                                f"choose from {CROSS_NODE}")  # fmt: skip
+        if self.rs_wire_bytes not in (2, 4):
+            raise SimulateError(f"rs_wire_bytes {self.rs_wire_bytes}: 2 (bf16) or 4 (fp32)")
+
+
 @dataclass(frozen=True)
 class TideRun:
     """How the code runs TIDE on the modeled layout: ``transport`` (``windows``: NCCL
     windows; ``copy_engine``; ``p2p``), TIDE-RS phase 2 ``one_sided`` (NCCL's ring of
-    puts) or send/recv, and the ``[tide]`` options the plans take."""
+    puts) or send/recv, the ``[tide]`` options (``model``) and the dtypes' sizes."""
 
     transport: str
     one_sided: bool
-    pacing: int = 0
-    rs_rows: int = 2
-    rs_inflight: int = 2
-    slot_reuse: bool = True
-    rs_wire_bytes: int = 4
-    in_place_groups: int = 4
+    model: TideModel = TideModel()
     param_bytes: int = 2
     grad_bytes: int = 2
 
@@ -196,16 +230,16 @@ class Timeline:
         self.ag_index = self.round_index = self.in_place_index = 0
         self.ring_steps = 0
         self.partial_free: list[Marker] = []
-        self.in_place = (run.transport == "windows" and run.in_place_groups > 0
+        self.in_place = (run.transport == "windows" and run.model.ag_in_place_groups > 0
                          and in_place_at(layout))  # fmt: skip
         shards = [sum(padded_shard_numel(s, self.world) for s in g.param_shapes) for g in groups]
         entry = max((self._packing(g).entry_bytes for g in groups), default=0)
-        rows = min(run.rs_rows, layout.local_world_size)
+        rows = min(run.model.rs_rows, layout.local_world_size)
         self.wl = wr.window_layout(layout.num_nodes, layout.local_world_size, entry,
                                    rows * max(shards, default=0) * run.grad_bytes,
-                                   run.slot_reuse)  # fmt: skip
-        self.ring = (wr.ring_layout(run.rs_inflight, 4 * max(shards, default=1),
-                                    run.rs_wire_bytes != 4)
+                                   run.model.slot_reuse)  # fmt: skip
+        self.ring = (wr.ring_layout(run.model.rs_inflight, 4 * max(shards, default=1),
+                                    run.model.rs_wire_bytes != 4)
                      if layout.num_nodes > 1 else None)  # fmt: skip
 
     # ------------------------------------------------------------ bookkeeping
@@ -232,7 +266,7 @@ class Timeline:
         key = (group.param_shapes, rank)
         if key not in self._plans:
             self._plans[key] = build_group_plan(_specs(group, self.world), self.layout, rank,
-                                                pull_local=True, pacing=self.run.pacing)  # fmt: skip
+                                                pull_local=True, pacing=self.run.model.ag_pacing)  # fmt: skip
         return self._plans[key]
 
     def _packing(self, group: GroupShape):
@@ -244,7 +278,7 @@ class Timeline:
         if key not in self._rs_plans:
             numels = [math.prod(s) if s else 1 for s in group.param_shapes]
             shards = [padded_shard_numel(s, self.world) for s in group.param_shapes]
-            rows = min(self.run.rs_rows, self.layout.local_world_size)
+            rows = min(self.run.model.rs_rows, self.layout.local_world_size)
             self._rs_plans[key] = build_rs_plan(self.layout, rank, rows, numels, shards)
         return self._rs_plans[key]
 
@@ -413,7 +447,7 @@ class Timeline:
 
         def ops_of(q: int) -> list:
             return wr.ag_round_ops(self.wl, self._plan(group, q), packing, ag, rnd,
-                                   self.run.pacing)  # fmt: skip
+                                   self.run.model.ag_pacing)  # fmt: skip
 
         self._call("ag_round", ops_of, ctx)
 
@@ -461,15 +495,15 @@ class Timeline:
         each partial in a ring of ``rs_inflight`` that phase 1 waits to reuse. Returns the
         work and the point FSDP's post-reduce event marks."""
         run, layout = self.run, self.layout
-        comm = TIDE if run.slot_reuse else RS_LOCAL
+        comm = TIDE if run.model.slot_reuse else RS_LOCAL
         prefix = f"{group.name}.rs"
         self._add(Work(f"{prefix}_issue", comm, "Issue", after=after, group=group.name))
         plan = self._rs_plan(group, 0)
         shard = plan.shard_numel
         for c, chunk in enumerate(plan.chunks):
             own = chunk.cross_peers is None
-            if not own and len(self.partial_free) >= run.rs_inflight:
-                self.wait_on(comm, self.partial_free[-run.rs_inflight])
+            if not own and len(self.partial_free) >= run.model.rs_inflight:
+                self.wait_on(comm, self.partial_free[-run.model.rs_inflight])
             for r, rnd in enumerate(chunk.rounds):
                 self._rs_round(group, c, r, comm, f"{prefix}.c{c}r{r}", rnd.first, shard)
             if not own:
@@ -520,8 +554,8 @@ class Timeline:
         received partial added into the output."""
         run = self.run
         self.wait_on(RS_CROSS, self.marker(comm))
-        nbytes = shard * run.rs_wire_bytes
-        if run.rs_wire_bytes != 4:
+        nbytes = shard * run.model.rs_wire_bytes
+        if run.model.rs_wire_bytes != 4:
             self._add(Work(f"{prefix}_wire", RS_CROSS, "Cast", SM_AG, nbytes=nbytes,
                            group=group.name))  # fmt: skip
         if run.one_sided:
@@ -534,7 +568,7 @@ class Timeline:
                 return wr.ring_step_ops(ring, layout, q, step, src, nbytes)
 
             ctx = _Round({wr.PUT: RS_CROSS, wr.MAIN: RS_CROSS}, f"{prefix}.p2", group.name,
-                         run.rs_wire_bytes, 8)  # fmt: skip
+                         run.model.rs_wire_bytes, 8)  # fmt: skip
             self._call("ring", ops_of, ctx)
         else:
             self._exchange(f"{prefix}.p2", RS_CROSS, nbytes, group.name)

@@ -27,7 +27,6 @@ upper bound on the baseline). Links: ``network``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from torchtitan_tide.comm.memory_plan import GroupShape, group_shard_numel
@@ -72,40 +71,18 @@ from torchtitan_tide.simulator.network import (
     nvlink_gibps,
     ring_ms,
 )
-from torchtitan_tide.simulator.plans import TideRun, Timeline, Work, in_place_at
+from torchtitan_tide.simulator.plans import (
+    TideModel,
+    TideRun,
+    Timeline,
+    Work,
+    in_place_at,
+)
 
 __all__ = ["Layout", "TideModel", "build_ops", "simulate_config", "simulate_step", "tide_run"]
 
-AG_TRANSPORTS = ("auto", "nccl_windows", "copy_engine", "nccl_p2p", "gloo")  # [tide] ag_transport
-CROSS_NODE = ("auto", "p2p", "nccl_one_sided")  # [tide] cross_node_transport
 WINDOWS_NCCL = (2, 29, 0)  # one-sided puts and host RMA (comm/window_setup.py's probe)
 SM_AG_PATH = {"fsdp2": f"{SM_AG}:fsdp2", "symm_mem": f"{SM_AG}:symm_mem"}
-
-
-@dataclass(frozen=True)
-class TideModel:
-    """The ``[tide]`` options the code reads for its run (``ag_transport``,
-    ``cross_node_transport``, ...); ``rs_wire_bytes``: bytes per element of TIDE-RS's
-    cross-node partials (4: fp32; 2: bf16). What runs on a cluster: :func:`tide_run`."""
-
-    ag_transport: str = "auto"
-    cross_node_transport: str = "auto"
-    rs_inflight: int = 2
-    rs_rows: int = 2
-    slot_reuse: bool = True
-    rs_wire_bytes: int = 4
-    ag_pacing: int = 0
-    ag_in_place_groups: int = 4
-
-    def __post_init__(self) -> None:
-        if self.ag_transport not in AG_TRANSPORTS:
-            raise SimulateError(f"[tide] ag_transport {self.ag_transport!r}: choose from "
-                                f"{AG_TRANSPORTS}")  # fmt: skip
-        if self.cross_node_transport not in CROSS_NODE:
-            raise SimulateError(f"[tide] cross_node_transport {self.cross_node_transport!r}: "
-                                f"choose from {CROSS_NODE}")  # fmt: skip
-        if self.rs_wire_bytes not in (2, 4):
-            raise SimulateError(f"rs_wire_bytes {self.rs_wire_bytes}: 2 (bf16) or 4 (fp32)")
 
 
 def tide_model_of(
@@ -161,18 +138,8 @@ def tide_run(model: TideModel, cluster: Cluster, lay: Layout, dtypes: Any) -> Ti
         transport = "copy_engine" if lay.local > 1 else "p2p"
     if multi and cross == "nccl_one_sided" and not windows_ok:
         raise SimulateError(f"[tide] cross_node_transport = 'nccl_one_sided' cannot run: {why}")
-    return TideRun(
-        transport=transport,
-        one_sided=multi and cross != "p2p" and windows_ok,
-        pacing=model.ag_pacing,
-        rs_rows=model.rs_rows,
-        rs_inflight=model.rs_inflight,
-        slot_reuse=model.slot_reuse,
-        rs_wire_bytes=model.rs_wire_bytes,
-        in_place_groups=model.ag_in_place_groups,
-        param_bytes=dtypes.param_bytes,
-        grad_bytes=dtypes.grad,
-    )
+    return TideRun(transport, multi and cross != "p2p" and windows_ok, model,
+                   dtypes.param_bytes, dtypes.grad)  # fmt: skip
 
 
 class _Replay:
@@ -361,11 +328,12 @@ def build_ops(
     lay: Layout,
     cluster: Cluster,
     dtypes: Any,
-    tide: TideModel = TideModel(),
+    tide: TideModel | None = None,
 ) -> list[Op]:
     """The ops of one step of ``mode`` (see the module docstring), in issue order."""
     if mode not in MODES:
         raise SimulateError(f"mode {mode!r}: choose from {MODES}")
+    tide = tide or TideModel()
     comm = lay.world > 1
     bld = _Builder(inputs, mode, lay, cluster, dtypes, tide, groups)
     names = [g.name for g in groups]
@@ -453,7 +421,7 @@ def breakdown(spans: Sequence[Span]) -> dict[str, float]:
 
 
 def simulate_step(
-    groups, inputs, mode, lay, cluster, dtypes, tide: TideModel = TideModel()
+    groups, inputs, mode, lay, cluster, dtypes, tide: TideModel | None = None
 ) -> tuple[dict, list[Span]]:
     """(summary figures and breakdown, spans) of one simulated step."""
     spans = simulate(build_ops(groups, inputs, mode, lay, cluster, dtypes, tide))
@@ -526,7 +494,7 @@ def _tide_columns(mode: str, tide: TideModel, cluster: Cluster, lay: Layout,
     run = tide_run(tide, cluster, lay, dtypes)
     phase2 = "-" if lay.nodes == 1 or mode == "tide_ag" else ("one_sided" if run.one_sided
                                                               else "p2p")  # fmt: skip
-    in_place = (run.transport == "windows" and run.in_place_groups > 0
+    in_place = (run.transport == "windows" and run.model.ag_in_place_groups > 0
                 and in_place_at(WorldLayout(lay.world, lay.local)))  # fmt: skip
     return {"tide_transport": run.transport, "rs_phase2": phase2, "in_place": in_place}
 
