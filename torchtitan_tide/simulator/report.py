@@ -355,8 +355,7 @@ def sensitivity_rows(results_dir: Path, cluster: Cluster) -> list[dict[str, Any]
              without_comm_slowdown(inp), {}),
             ("symm_mem RS (NCCL 2.28.9)", "ring (not built)", cluster, ring_rs_symm_mem(inp), {}),
         ]:  # fmt: skip
-            modes = MODES if not kw else ("tide", "tide_ag")
-            sim = simulate_config(config, 64, modes, variant, results_dir, cm=cm, inputs=ins, **kw)
+            sim = simulate_config(config, 64, MODES, variant, results_dir, cm=cm, inputs=ins, **kw)
             rows += [
                 {"model": model_of(config), "knob": knob, "value": value, **r} for r in sim["rows"]
             ]
