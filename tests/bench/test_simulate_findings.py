@@ -293,3 +293,14 @@ def test_what_ifs_are_named_and_apart_from_the_headline():
         )
         free = got["no local copies (upper bound of in place at N x L)"]
         assert free["sim_step_ms"] <= got["as run"]["sim_step_ms"] + 1e-6
+
+
+def test_every_table_with_a_speed_up_has_its_ceiling():
+    """Beside every speed-up of the report, its ceiling (stock's step over compute +
+    optimizer + host)."""
+    tables = {name: getattr(report, name) for name in dir(report) if name.endswith("_COLUMNS")}
+    with_speedups = [name for name, cols in tables.items()
+                     if any("speedup" in key or "_vs_" in key for key, _ in cols)]  # fmt: skip
+    assert len(with_speedups) >= 6, with_speedups
+    for name in with_speedups:
+        assert "ceiling_vs_fsdp2" in {key for key, _ in tables[name]}, name

@@ -120,7 +120,7 @@ CROSS_NODE = ("auto", "p2p", "nccl_one_sided")  # [tide] cross_node_transport
 class TideModel:
     """The ``[tide]`` options the code reads for its run (``ag_transport``,
     ``cross_node_transport``, ...); ``rs_wire_bytes``: bytes per element of TIDE-RS's
-    cross-node partials (4: fp32; 2: bf16). What runs on a cluster: :func:`tide_run`."""
+    cross-node partials (4: fp32; 2: bf16). What runs on a cluster: ``step.tide_run``."""
 
     ag_transport: str = "auto"
     cross_node_transport: str = "auto"
