@@ -26,6 +26,17 @@ Beside them, on a side stream, the engines (``side``), each repeated to about
   ranks (``torch._foreach_copy_``, the multi-launch kernel every mode's all-gather runs).
 - ``accumulate``: TIDE-RS's accumulate kernel (``comm.kernels.accumulate_rows``, its
   default launch) on two bf16 rows of that shard into fp32.
+- ``local_copy_ce``: ONE ``cudaMemcpyBatchAsync`` (``comm.transport.copy_engine.batch_copy``:
+  source order, location hints, ``PreferOverlapWithCompute``) of a 256 MiB ``uint8`` buffer
+  into another on the same GPU: a local HBM-to-HBM copy the driver is asked to run on the
+  copy engine (a same-device ``copy_``, the ``copy_engine`` side, is the driver's choice).
+- ``local_batch_ce``: the same call with many per-parameter copies: one wave of
+  placement, 8 window entries x the 9 shards of a Llama-3.1-70B layer at 64 ranks (72
+  copies, 205 MiB), as ``transport/windows.py`` places and packs (Place, PackSlices).
+
+The rows of every side also give its rate (``side_gib_s_alone`` / ``_beside``: bytes
+copied per second of its device time), the local copy rate the simulator charges
+placement and packing with (``simulator/interference.py``, engine ``ce_local``).
 
 Per (class, side), in each of ``--reps`` pairs: a burst of the class alone, then the same
 burst with the side op issued after its first op. Compute: each op that ran wholly inside
@@ -61,12 +72,21 @@ SMALL_COMPUTE = {
     "grouped_experts": ("gemm", (4, 64, 128, 128)),
     "attention": ("attention", (1, 4, 512, 64)),
 }
-SIDES = ("copy_engine", "nccl_like_24", "nccl_like_9", "cast_foreach", "accumulate")
+SIDES = (
+    "copy_engine",
+    "nccl_like_24",
+    "nccl_like_9",
+    "cast_foreach",
+    "accumulate",
+    "local_copy_ce",
+    "local_batch_ce",
+)
 NCCL_CTAS = {"nccl_like_24": 24, "nccl_like_9": 9}
 # One Llama-3.1-70B layer's parameter shapes (dim 8192, 64 / 8 heads of 128, FFN 28672).
 LLAMA_LAYER = ((8192, 8192), (1024, 8192), (1024, 8192), (8192, 8192), (28672, 8192),
                (28672, 8192), (8192, 28672), (8192,), (8192,))  # fmt: skip
 COPY_MIB = 256
+PLACE_ENTRIES, PLACE_RANKS = 8, 64  # one wave of placement of a Llama-70B layer at 8 x 8
 MAX_BURST = 4000
 COLUMNS = [
     ("compute", "compute"), ("side", "beside"), ("compute_alone_ms", "compute alone ms"),
@@ -90,8 +110,9 @@ class Pair:
     covered: list[bool]
 
 
-def summarize(compute: str, side: str, pair: Pair) -> dict[str, Any]:
-    """A result row: compute at matched burst positions, the side op's device time."""
+def summarize(compute: str, side: str, pair: Pair, side_bytes: int = 0) -> dict[str, Any]:
+    """A result row: compute at matched burst positions, the side op's device time and
+    (``side_bytes``: bytes one measurement of the side op copies) its rate."""
     by_pos = {}
     for burst in pair.alone:
         for pos, ms in enumerate(burst):
@@ -109,8 +130,14 @@ def summarize(compute: str, side: str, pair: Pair) -> dict[str, Any]:
         "samples": len(matched), "side_alone_ms": side_alone, "side_beside_ms": side_beside,
         "side_slowdown_pct": 100 * (side_beside / side_alone - 1)
         if side_alone and side_beside else None,
+        "side_gib_s_alone": _gib_s(side_bytes, side_alone),
+        "side_gib_s_beside": _gib_s(side_bytes, side_beside),
         "covered": all(pair.covered) if pair.covered else None, "error": None,
     }  # fmt: skip
+
+
+def _gib_s(nbytes: int, ms: float | None) -> float | None:
+    return nbytes / 2**30 / (ms / 1e3) if nbytes and ms else None
 
 
 def burst_length(side_ms: float, compute_ms: float, cover: float = 16.0) -> int:
@@ -146,9 +173,9 @@ def build_compute(kind: str, shape: Sequence[int], device) -> Callable[[], None]
     import torch.nn.functional as F
 
     if kind == "gemm":
-        import bench_interference
+        import gemms
 
-        return bench_interference.build_gemm(shape, device, seed=1)
+        return gemms.build_gemm(shape, device, seed=1)
     batch, heads, seq, head_dim = shape
     gen = torch.Generator(device=device).manual_seed(2)
     q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, dtype=torch.bfloat16,
@@ -160,11 +187,55 @@ def build_compute(kind: str, shape: Sequence[int], device) -> Callable[[], None]
     return attention
 
 
+def placement_sizes(small: bool) -> list[int]:
+    """Bytes of the copies of one ``local_batch_ce`` unit: every shard (bf16) of a
+    Llama-3.1-70B layer at ``PLACE_RANKS`` ranks, for ``PLACE_ENTRIES`` window entries."""
+    scale = 64 if small else 1
+    shapes = [tuple(max(1, n // scale) for n in s) for s in LLAMA_LAYER]
+    shard = [2 * max(1, -(-math.prod(s) // PLACE_RANKS)) for s in shapes]
+    return shard * PLACE_ENTRIES
+
+
+def side_bytes(name: str, small: bool) -> int:
+    """Bytes one unit of a copying side op copies (0: not a copy)."""
+    if name in ("copy_engine", "local_copy_ce", *NCCL_CTAS):
+        return COPY_MIB * 2**20 // (64 if small else 1)
+    if name == "local_batch_ce":
+        return sum(placement_sizes(small))
+    return 0
+
+
+def _batch_side(device, sizes: list[int]) -> Callable[[], None]:
+    """ONE cudaMemcpyBatchAsync of ``sizes`` copies between two buffers of this GPU, on
+    the current stream (``copy_engine.batch_copy``, as placement runs it)."""
+    import torch
+
+    from torchtitan_tide.comm.transport.copy_engine import batch_copy
+
+    src = torch.randint(0, 255, (sum(sizes),), device=device, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    srcs = [src.data_ptr() + o for o in offsets]
+    dsts = [dst.data_ptr() + o for o in offsets]
+    index = device.index or 0
+
+    def copy() -> None:
+        batch_copy(dsts, srcs, sizes, [index] * len(sizes), index,
+                   torch.cuda.current_stream(device))  # fmt: skip
+
+    copy.buffers = (src, dst)  # kept alive with the closure
+    return copy
+
+
 def build_side(name: str, device, small: bool) -> Callable[[], None]:
     """One unit of a side op (module docstring)."""
     import torch
 
     scale = 64 if small else 1
+    if name == "local_copy_ce":
+        return _batch_side(device, [side_bytes(name, small)])
+    if name == "local_batch_ce":
+        return _batch_side(device, placement_sizes(small))
     if name in ("copy_engine", *NCCL_CTAS):
         numel = COPY_MIB * 2**20 // 2 // scale
         src = torch.randn(numel, device=device, dtype=torch.bfloat16)
@@ -268,11 +339,15 @@ def run(args: argparse.Namespace) -> int:
     side_target = 1.0 if args.small else args.side_ms
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
-    sides = {s: build_side(s, device, args.small) for s in SIDES}
-    for side in sides.values():
-        side_ms(side, 2, device)  # warm-up: Triton compile, cuBLAS / allocator
-    units = {s: max(1, round(side_target / max(1e-3, side_ms(fn, 1, device))))
-             for s, fn in sides.items()}  # fmt: skip
+    sides, units, broken = {}, {}, {}
+    for s in SIDES:  # a side that cannot run here (no cuda-bindings) is an error row
+        try:
+            fn = build_side(s, device, args.small)
+            side_ms(fn, 2, device)  # warm-up: Triton compile, cuBLAS / allocator
+            sides[s] = fn
+            units[s] = max(1, round(side_target / max(1e-3, side_ms(fn, 1, device))))
+        except Exception as e:  # noqa: BLE001 - recorded in its rows
+            broken[s] = common.short_error(f"{type(e).__name__}: {e}")
     for cls, (kind, shape) in classes.items():
         op = build_compute(kind, shape, device)
         _timed(op, 8)  # warm-up
@@ -281,12 +356,13 @@ def run(args: argparse.Namespace) -> int:
         alone_ms = statistics.median(start.elapsed_time(end) for start, end in marks)
         rows.append({"compute": cls, "side": "none", "compute_alone_ms": alone_ms,
                      "error": None})  # fmt: skip
+        rows += [{"compute": cls, "side": side, "error": why} for side, why in broken.items()]
         for side, fn in sides.items():
             try:
                 unit_ms = side_ms(fn, units[side], device)
                 n = burst_length(unit_ms, alone_ms)
-                rows.append(summarize(cls, side, measure(op, fn, units[side], n, args.reps,
-                                                         device)))  # fmt: skip
+                pair = measure(op, fn, units[side], n, args.reps, device)
+                rows.append(summarize(cls, side, pair, units[side] * side_bytes(side, args.small)))
             except Exception as e:  # noqa: BLE001 - recorded in its row; the next runs
                 rows.append({"compute": cls, "side": side, "error": common.short_error(
                     f"{type(e).__name__}: {e}")})  # fmt: skip
@@ -298,7 +374,8 @@ def run(args: argparse.Namespace) -> int:
         "kind": "interference_one_gpu", "metadata": meta, "status": "complete",
         "config": {"reps": args.reps, "side_ms": side_target, "units": units, "small": args.small,
                    "compute": {k: [v[0], list(v[1])] for k, v in classes.items()},
-                   "sides": list(SIDES), "nccl_ctas": NCCL_CTAS},
+                   "sides": list(SIDES), "nccl_ctas": NCCL_CTAS,
+                   "side_bytes": {s: side_bytes(s, args.small) for s in SIDES}},
         "wall_s": round(time.perf_counter() - t0, 1),
     }  # fmt: skip
     return write(results, rows, stem)
@@ -323,7 +400,10 @@ def write(results: dict[str, Any], rows: list[dict[str, Any]], stem: str) -> int
         "against the alone bursts at the same positions; side: its device time beside / "
         "alone. nccl_like_N: a persistent Triton copy kernel on N CTAs (NCCL's ring: 24, "
         "symmetric RS: 9) standing for NCCL's kernels; copy_engine: a device-to-device copy "
-        "(local HBM read + write). Read by the simulator (docs/design/2026-12-04-simulator.md).\n"
+        "(local HBM read + write, the driver's choice of engine); local_copy_ce / local_batch_ce: "
+        "one cudaMemcpyBatchAsync asked for the copy engine (PreferOverlapWithCompute), one big copy / "
+        "one wave of placement copies; side GiB/s: bytes copied per second of its device time. Read "
+        "by the simulator (docs/design/2026-12-07-simulator.md).\n"
     )
     charts = [common.BarChart(f"compute slowdown beside {side}",
                               [r["compute"] for r in rows if r["side"] == side],

@@ -40,9 +40,27 @@ def test_burst_outlasts_the_side_op():
     assert one.burst_length(4.0, 0.0) == one.MAX_BURST
     assert one.burst_length(0.01, 2.0) == 8
     assert set(one.SIDES) == {"copy_engine", "nccl_like_24", "nccl_like_9", "cast_foreach",
-                              "accumulate"}  # fmt: skip
+                              "accumulate", "local_copy_ce", "local_batch_ce"}  # fmt: skip
     classes = {"single_wave", "large", "grouped_experts", "attention"}
     assert set(one.COMPUTE) == set(one.SMALL_COMPUTE) == classes
+
+
+def test_local_copy_sides_copy_what_placement_copies_and_report_their_rate():
+    """local_batch_ce is one wave of placement at 8 x 8 (8 entries x the 9 shards of a
+    Llama-3.1-70B layer at 64 ranks, bf16); its rows carry the rate of its device time."""
+    sizes = one.placement_sizes(small=False)
+    assert len(sizes) == 72 and sizes[:9] == [2 * (8192 * 8192 // 64), 2 * (1024 * 8192 // 64),
+                                              2 * (1024 * 8192 // 64), 2 * (8192 * 8192 // 64),
+                                              2 * (28672 * 8192 // 64), 2 * (28672 * 8192 // 64),
+                                              2 * (8192 * 28672 // 64), 256, 256]  # fmt: skip
+    assert one.side_bytes("local_batch_ce", False) == sum(sizes)
+    assert one.side_bytes("local_copy_ce", False) == one.side_bytes("copy_engine", False) == 2**28
+    assert one.side_bytes("cast_foreach", False) == 0
+    pair = one.Pair([[1.0]], [[(0, 1.5)]], side_alone=[4.0], side_beside=[8.0], covered=[True])
+    row = one.summarize("large", "local_batch_ce", pair, side_bytes=2**30)
+    assert row["side_gib_s_alone"] == pytest.approx(250.0)
+    assert row["side_gib_s_beside"] == pytest.approx(125.0)
+    assert one.summarize("large", "cast_foreach", pair)["side_gib_s_alone"] is None
 
 
 def test_nccl_like_kernel_copies_everything_in_the_interpreter():
@@ -88,7 +106,7 @@ def test_result_files_are_what_the_simulator_reads(tmp_path):
     rows = [{"compute": "attention", "side": "none", "compute_alone_ms": 2.0, "error": None}]
     rows += [
         one.summarize("attention", side, one.Pair([[2.0, 2.0]], [[(1, 2.2)]], [4.0], [4.4],
-                                                  [True]))
+                                                  [True]), side_bytes=2**30)
         for side in one.SIDES
     ]  # fmt: skip
     meta = {"date": "2026-12-05T00:00:00Z", "machine": "NVIDIA H200 x 1", "hostname": "h",
@@ -103,7 +121,9 @@ def test_result_files_are_what_the_simulator_reads(tmp_path):
     fig = figures[("ce", "attention")]
     assert fig.kind == "measured (one H200)" and fig.compute == pytest.approx(0.10)
     assert fig.comm == pytest.approx(0.10)
-    assert {e for e, _ in figures} == {"ce", "nccl", "nccl_symk", "sm_ag", "sm_rs"}
+    assert {e for e, _ in figures} == {"ce", "ce_local", "nccl", "nccl_symk", "sm_ag", "sm_rs"}
+    rate, kind, _ = interference.local_copy_rate(tmp_path, (1e6, "a device copy"))
+    assert (rate, kind) == (pytest.approx(250.0), "measured (one H200)")  # 1 GiB in 4 ms
     assert json.loads(Path(stem + ".json").read_text())["tables"][0]["rows"][0]["side"] == "none"
 
 

@@ -31,6 +31,7 @@ import bench_collectives
 import bench_interference
 import bench_step
 import common
+import gemms
 import harness
 import report
 
@@ -228,18 +229,53 @@ def test_interference_overlap_and_burst():
 
 def test_interference_grouped_gemm_is_every_experts_matmul():
     cpu = torch.device("cpu")
-    gemm = bench_interference.build_gemm(bench_interference.SMALL_GEMMS["grouped_experts"], cpu, 0)
-    assert isinstance(gemm, bench_interference.GroupedGemm)
+    gemm = gemms.build_gemm(bench_interference.SMALL_GEMMS["grouped_experts"], cpu, 0)
+    assert isinstance(gemm, gemms.GroupedGemm)
     gemm()
     experts, rows = gemm.w.shape[0], gemm.a.shape[0] // gemm.w.shape[0]
     want = torch.cat([gemm.a[e * rows:(e + 1) * rows].float() @ gemm.w[e].float().T
                       for e in range(experts)])  # fmt: skip
     assert gemm.out.shape == want.shape and want.abs().max() > 1  # random operands, not zeros
     torch.testing.assert_close(gemm.out.float(), want, rtol=2e-2, atol=0.5)
-    assert isinstance(bench_interference.build_gemm((8, 8, 8), cpu, 0), bench_interference.Gemm)
+    assert isinstance(gemms.build_gemm((8, 8, 8), cpu, 0), gemms.Gemm)
     assert bench_interference.gemm_label("grouped_experts", (128, 512, 768, 2048)) == (
         "grouped_experts (128 x 512, 768, 2048)"
     )
+
+
+def _sibling_imports(path: Path) -> set[str]:
+    """The modules of ``path``'s own folder that it imports, at load or inside a function."""
+    import ast
+
+    siblings = {p.stem for p in path.parent.glob("*.py")}
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module.split(".")[0])
+    return (found & siblings) - {path.stem}
+
+
+def test_no_import_circle_in_scripts():
+    """No module of a scripts/ folder imports, at load or lazily, a sibling that imports it
+    back (directly or through others): bench_interference.py and interference_one_gpu.py
+    did (issue 46); the GEMMs both time live in gemms.py."""
+    for folder in sorted({p.parent for p in (REPO / "scripts").rglob("*.py")}):
+        graph = {p.stem: _sibling_imports(p) for p in folder.glob("*.py")}
+
+        def reach(start: str, graph=graph) -> set[str]:
+            seen, todo = set(), list(graph[start])
+            while todo:
+                name = todo.pop()
+                if name not in seen:
+                    seen.add(name)
+                    todo += graph.get(name, ())
+            return seen
+
+        circles = sorted(name for name in graph if name in reach(name))
+        assert not circles, f"{folder.relative_to(REPO)}: import circle through {circles}"
+    assert "bench_interference" not in _sibling_imports(BENCH / "interference_one_gpu.py")
 
 
 def test_interference_rows_and_files(tmp_path):

@@ -4,16 +4,18 @@ measurement).
 
     python -m torchtitan_tide.simulator --config llama70b_tide --gpus 64
         [--trace T.json] [--cluster train_configs/clusters/h200_8x400g.toml]
-        [--modes fsdp2,symm_mem,tide,tide_ag] [--rs-wire bf16] [--cross-node one_sided]
-        [--schedule serial|pipelined] [--tokens-per-gpu N]
+        [--modes fsdp2,symm_mem,tide,tide_ag] [--rs-wire bf16] [--cross-node auto|p2p]
+        [--transport auto|nccl_windows|copy_engine|nccl_p2p] [--tokens-per-gpu N]
     python -m torchtitan_tide.simulator --report [--out-dir bench/results]
 
 Modules, each importing only those before it: ``cluster`` (node shape, NIC, NCCL
-generation), ``engine`` (ops on streams, interference rates), ``network`` (alpha-beta,
-NIC cap, NV18, NCCL channels), ``results`` (the committed results), ``interference``
-(both directions per engine and compute class), ``compute`` (attention, activation
-checkpointing), ``inputs`` (every measured figure and its source), ``step`` (the step
-model of each mode; TIDE on ``comm/schedule.py``), ``report`` (validation, 64-GPU
-comparison with breakdown, sensitivity, picture), ``cli``. docs/design/2026-12-02-simulator.md
-and docs/design/2026-12-04-simulator.md explain the model, its inputs and its residuals.
+generation), ``engine`` (ops on streams, interference rates, shared links), ``network``
+(alpha-beta, NIC, NV18, NCCL channels), ``results`` (the committed results),
+``interference`` (both directions per engine and compute class), ``plans`` (TIDE's op
+plans as the code runs them: ``comm/window_rounds.py``, ``comm/plan.py``), ``compute``
+(attention, activation checkpointing), ``inputs`` (every measured figure and its source),
+``step`` (the step model of each mode; TIDE's ops charged by type), ``report``
+(validation, headline with ceilings, 64-GPU comparison with breakdown, sensitivity,
+picture), ``cli``. docs/design/2026-12-02-simulator.md, docs/design/2026-12-04-simulator.md and
+docs/design/2026-12-07-simulator.md explain the model, its inputs and its residuals.
 """

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from torchtitan_tide.comm.schedule import SCHEDULES, schedule_named
 from torchtitan_tide.simulator.cluster import load_cluster
 from torchtitan_tide.simulator.inputs import MODES, RESULTS, Workload, inputs_record
-from torchtitan_tide.simulator.step import CROSS_NODE, simulate_config
+from torchtitan_tide.simulator.plans import AG_TRANSPORTS, CROSS_NODE
+from torchtitan_tide.simulator.step import simulate_config
 
 # [tide] rs_wire_dtype's spellings and the short ones
 WIRE_BYTES = {"fp32": 4, "bf16": 2, "float32": 4, "bfloat16": 2}
@@ -31,14 +31,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rs-wire", choices=sorted(WIRE_BYTES), default=None,
                    help="TIDE-RS cross-node partials: fp32 or bf16 (modeled); default: the "
                         "config's [tide] rs_wire_dtype")  # fmt: skip
-    p.add_argument("--cross-node", choices=(*CROSS_NODE, "nccl_one_sided"), default=None,
-                   help="TIDE's cross-node transport: p2p (send/recv kernels) or one_sided = "
-                        "nccl_one_sided (0 SMs); default: the config's [tide] "
-                        "cross_node_transport ('auto' is modeled as p2p: the simulator cannot "
-                        "see whether NCCL has host RMA)")  # fmt: skip
-    p.add_argument("--schedule", choices=sorted(SCHEDULES), default=None,
-                   help="TIDE's schedule (torchtitan_tide/comm/schedule.py); default: the one "
-                        "the code runs (schedule.CURRENT)")  # fmt: skip
+    p.add_argument("--cross-node", choices=CROSS_NODE, default=None,
+                   help="[tide] cross_node_transport (default: the config's): 'auto' takes NCCL's "
+                        "one-sided puts on NCCL >= 2.29 (the cluster's nccl_version; host RMA "
+                        "assumed), else send/recv")  # fmt: skip
+    p.add_argument("--transport", choices=AG_TRANSPORTS, default=None,
+                   help="[tide] ag_transport (default: the config's); what 'auto' takes on the "
+                        "cluster's NCCL is in each row (tide_transport)")  # fmt: skip
     p.add_argument("--tokens-per-gpu", type=int, default=None,
                    help="simulate this many tokens per GPU as one sequence (default: the "
                         "config's batch x sequence)")  # fmt: skip
@@ -75,22 +74,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = simulate_config(
             args.config, args.gpus, modes, cluster, Path(args.results_dir), args.trace, args.mfu,
             rs_wire_bytes=WIRE_BYTES[args.rs_wire] if args.rs_wire else None,
-            cross_node="one_sided" if args.cross_node == "nccl_one_sided" else args.cross_node,
-            schedule=schedule_named(args.schedule),
+            cross_node=args.cross_node,
+            transport=args.transport,
             workload=Workload(tokens, tokens) if tokens else None,
         )  # fmt: skip
     except (ValueError, FileNotFoundError) as exc:  # SimulateError, ClusterError, FsdpGroupsError
         parser.error(str(exc))
     rows = result["rows"]
     print(f"Simulated step (a SIMULATION, not a measurement): {args.config} at {args.gpus} GPUs "
-          f"({rows[0]['nodes']} node(s)), cluster: {cluster.name}; TIDE-RS wire "
-          f"{'bf16' if result['rs_wire_bytes'] == 2 else 'fp32'}, "
-          f"cross-node {rows[0]['cross_node']}, TIDE schedule {result['schedule']}")  # fmt: skip
-    print("| mode | step ms | speed-up vs fsdp2 | compute ms | SM-ms taken from compute | "
-          "layout ms | exposed ms (fwd/bwd/tail) | accumulate ms | comm slowed ms |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"({rows[0]['nodes']} node(s)), cluster: {cluster.name} (NCCL "
+          f"{cluster.nccl_version}); TIDE-RS wire "
+          f"{'bf16' if result['rs_wire_bytes'] == 2 else 'fp32'}")  # fmt: skip
+    print("| mode | TIDE runs | step ms | speed-up vs fsdp2 | compute ms | SM-ms taken from "
+          "compute | layout ms | exposed ms (fwd/bwd/tail) | accumulate ms | comm slowed ms |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        cells = [r["mode"], f"{r['sim_step_ms']:.1f}",
+        runs = "-" if r["tide_transport"] == "-" else (
+            f"{r['tide_transport']}, phase 2 {r['rs_phase2']}"
+            + (", in place" if r["in_place"] else ""))  # fmt: skip
+        cells = [r["mode"], runs, f"{r['sim_step_ms']:.1f}",
                  f"{r.get('sim_speedup_vs_fsdp2', float('nan')):.3f}",
                  *(f"{r[f'sim_bd_{k}_ms']:.1f}" for k in ("compute", "sm_taken", "layout")),
                  f"{r['sim_exposed_ms']:.1f} (" + "/".join(
@@ -100,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r in rows:
         if r["mode_note"]:
             print(f"  {r['mode']}: {r['mode_note']}")
-    if rows[0]["cross_node"] != "p2p" or result["rs_wire_bytes"] != 4:
+    if any(r["rs_phase2"] == "one_sided" for r in rows) or result["rs_wire_bytes"] != 4:
         print("  the one-sided transport and bf16 wire are modeled, not measured at scale")
     from torchtitan_tide.simulator.network import SOURCES
 

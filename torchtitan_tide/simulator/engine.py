@@ -7,11 +7,18 @@ is one stream, so its all-gathers and reduce-scatters serialize). An op starts w
 stream is free, every op in ``after`` has ended (CUDA event waits) and every op in
 ``issued_with`` has started (the host issues it as that op starts: FSDP2's prefetch).
 
-Rates, both directions of interference:
+Rates, both directions of interference, and shared links:
 
-- ``slowdown`` (any op): while ops of a kind in its keys run beside it, the op progresses
-  at ``1 / (1 + max fraction)``: a GEMM beside a reduce-scatter (``{"rs": 0.27}``), and a
-  collective beside GEMMs (``{"compute": 2.2}``: the all-gather took 3.2x as long).
+- ``slowdown`` (any op): while ops of kinds in its keys run beside it, the op progresses
+  at ``1 / (1 + the sum of their fractions)``: a GEMM beside a reduce-scatter
+  (``{"rs": 0.27}``) and a copy at once loses both engines' shares (concurrent engines
+  add up; measured one at a time, their sum is the model), a collective beside GEMMs
+  (``{"compute": 2.2}``: the all-gather took 3.2x as long).
+- ``link`` (a shared link: one NIC per GPU, its NVLink, its HBM for local copies): the
+  ops running on one link share it; each ``flow`` (a communicator, or a stream) on it
+  progresses FIFO (its earliest-started op only), the flows of the highest ``priority``
+  split the link equally, lower ones wait (and, waiting, slow nothing beside them).
+  ``duration_ms`` is the op alone on its link.
 - ``sm_share`` (ops of kind ``sm``: kernels of the comm library on their own stream, e.g.
   TIDE-RS's accumulate): while one runs, every op on the compute stream progresses at
   ``1 - share`` of its rate (share 1: compute pauses). The kernel itself runs at its
@@ -30,7 +37,8 @@ from dataclasses import dataclass, field
 COMPUTE = "compute"  # the compute stream's name
 # op kinds off the compute stream (exposure): the generic ones, and the engines of
 # ``interference.ENGINES`` the step model uses
-COMM_KINDS = ("ag", "rs", "net", "net0", "sm", "nccl", "nccl_symk", "ce", "nic", "sm_ag", "sm_rs")
+COMM_KINDS = ("ag", "rs", "net", "net0", "sm", "nccl", "nccl_symk", "ce", "ce_local", "nic",
+              "sm_ag", "sm_rs")  # fmt: skip
 SM = "sm"  # kind of an SM-holding kernel off the compute stream (a share of the SMs)
 SM_KERNEL_KINDS = ("sm", "sm_ag", "sm_rs")  # comm-library kernels on SMs
 _EPS = 1e-9
@@ -47,7 +55,8 @@ class Op:
     ``kind``: ``compute`` / ``layout`` / ``optimizer`` / ``host`` (on the compute
     stream) or a kind of :data:`COMM_KINDS`; ``slowdown``: the fraction it slows by
     beside a running op of each kind; ``sm_share`` (kind ``sm`` only): the share of the
-    SMs it holds while it runs (0..1)."""
+    SMs it holds while it runs (0..1); ``link`` / ``flow`` / ``priority``: the shared link
+    it moves its bytes over (module docstring)."""
 
     name: str
     stream: str
@@ -58,6 +67,9 @@ class Op:
     slowdown: Mapping[str, float] = field(default_factory=dict)
     group: str = ""
     sm_share: float = 0.0
+    link: str = ""
+    flow: str = ""
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -106,20 +118,27 @@ def simulate(ops: Sequence[Op]) -> list[Span]:
             progressed = False
             for stream, queue in queues.items():
                 i = heads[stream]
-                if i >= len(queue) or any(queue[i].name == r for r in remaining):
+                if i >= len(queue) or queue[i].name in remaining:
                     continue
                 op = queue[i]
                 if all(d in ended for d in op.after) and all(d in started for d in op.issued_with):
                     started[op.name] = now
-                    remaining[op.name] = op.duration_ms
                     progressed = True
+                    if op.duration_ms <= _EPS:  # an event: it ends as it starts
+                        ended[op.name] = now
+                        heads[stream] += 1
+                    else:
+                        remaining[op.name] = op.duration_ms
         if not remaining:
+            if len(ended) == len(ops):
+                break
             blocked = [queues[s][heads[s]].name for s in queues if heads[s] < len(queues[s])]
             raise SimulationError(f"ops wait on each other (a cycle or bad order): {blocked}")
-        running = [by_name[n] for n in remaining]
-        kinds = {op.kind for op in running}
+        running = [by_name[n] for n in remaining]  # in start order
+        shares = _link_shares(running)
+        kinds = {op.kind for op, share in zip(running, shares) if share > 0}  # waiting: idle
         held = max((op.sm_share for op in running), default=0.0)
-        rates = {op.name: _rate(op, kinds, held) for op in running}
+        rates = {op.name: _rate(op, kinds, held) * share for op, share in zip(running, shares)}
         step = min(remaining[n] / rates[n] for n in remaining if rates[n] > 0)
         now += step
         for name in list(remaining):
@@ -132,12 +151,29 @@ def simulate(ops: Sequence[Op]) -> list[Span]:
 
 
 def _rate(op: Op, running_kinds: set[str], sm_held: float) -> float:
-    """Progress per ms of ``op`` beside ``running_kinds``; ``sm_held``: the largest SM
-    share of a running ``sm`` op (it pauses the compute stream's share). An ``sm`` op
-    always progresses, so some op does."""
-    slow = max((op.slowdown.get(k, 0.0) for k in running_kinds if k != op.kind), default=0.0)
-    rate = 1.0 / (1.0 + max(0.0, slow))
+    """Progress per ms of ``op`` beside ``running_kinds`` (the engines' fractions add up);
+    ``sm_held``: the largest SM share of a running ``sm`` op (it pauses the compute
+    stream's share). An ``sm`` op always progresses, so some op does."""
+    slow = sum(max(0.0, op.slowdown.get(k, 0.0)) for k in running_kinds if k != op.kind)
+    rate = 1.0 / (1.0 + slow)
     return rate * (1.0 - sm_held) if op.stream == COMPUTE else rate
+
+
+def _link_shares(running: Sequence[Op]) -> list[float]:
+    """Per running op (in start order), its share of its link: per link, the first op of
+    each flow (FIFO per flow) among the flows of the highest priority splits it equally;
+    the others wait (0). Ops on no link: 1."""
+    heads: dict[str, dict[str, Op]] = {}
+    for op in running:
+        if op.link:
+            heads.setdefault(op.link, {}).setdefault(op.flow or op.stream, op)
+    share: dict[int, float] = {}
+    for flows in heads.values():
+        top = max(op.priority for op in flows.values())
+        first = [op for op in flows.values() if op.priority == top]
+        for op in first:
+            share[id(op)] = 1.0 / len(first)
+    return [share.get(id(op), 0.0) if op.link else 1.0 for op in running]
 
 
 def merge(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:

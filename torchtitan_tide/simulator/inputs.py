@@ -118,7 +118,9 @@ class Inputs:
     compute's slowdown beside the engine and the engine's beside compute, mixed over the
     model's compute classes (``class_weights``; :mod:`interference`; ``figures``: the
     per-class table). ``accumulate_gibps``: TIDE-RS accumulate kernel bytes (read +
-    write) per second; ``copy_gibps``: bytes copied per second by a device-to-device copy.
+    write) per second; ``copy_gibps``: bytes copied per second by a local HBM-to-HBM copy
+    on the copy engine (``interference.local_copy_rate``: measured, or the most
+    pessimistic figure, named so in ``sources["copy"]``).
     ``host_ms``: per-step trainer time outside fwd+bwd and the optimizer.
     ``in_step_level``: :func:`in_step_compute`'s level when it was measured but not
     applied (a one-GPU step's; :func:`with_compute_level` applies one)."""
@@ -251,7 +253,8 @@ def accumulate_rate(results_dir: Path) -> tuple[float, str]:
 @functools.lru_cache(maxsize=8)
 def copy_rate(results_dir: Path) -> tuple[float, str]:
     """(GiB/s copied, source): a device-to-device copy on one H200 (``COPY_RATE``: read +
-    write GiB/s, halved); the placement and packing copies of TIDE's pipelined schedule."""
+    write GiB/s, halved): one candidate for the local copy rate
+    (``interference.local_copy_rate``)."""
     name, variant = COPY_RATE
     rows = read_result(results_dir, name)["tables"][0]["rows"]
     row = next(r for r in rows if r["variant"] == variant)
@@ -762,7 +765,8 @@ def build_inputs(
     )
     sources.update(more)
     acc_gibps, sources["accumulate"] = accumulate_rate(results_dir)
-    copy_gibps, sources["copy"] = copy_rate(results_dir)
+    copy_gibps, kind, text = itf.local_copy_rate(results_dir, copy_rate(results_dir))
+    sources["copy"] = f"local copies on the copy engine, {kind}: {text}"
     sources["cross_node"] = cross_node_transports(results_dir)
     layout, sources["layout"] = layout_costs(results_dir, trace_config or "")
     inputs = Inputs(

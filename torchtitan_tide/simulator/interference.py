@@ -6,8 +6,10 @@ Engines (the kinds of communication ops in the step model):
 - ``nccl``: NCCL's data-movement kernels on SMs (ring all-gather / reduce-scatter, the
   send/recv kernels of TIDE's ``p2p`` cross-node transport); ``nccl_symk``: NCCL's
   symmetric kernels (symm_mem's reduce-scatter, 9 CTAs);
-- ``ce``: the copy engine (no SM: TIDE-AG / TIDE-RS node-local moves, symm_mem's
-  zero-CTA all-gather, NCCL puts inside a node);
+- ``ce``: the copy engine over NVLink (no SM: TIDE-AG / TIDE-RS node-local moves,
+  symm_mem's zero-CTA all-gather, NCCL puts inside a node);
+- ``ce_local``: a local HBM-to-HBM copy on the copy engine (TIDE's placement and pack
+  copies: ``cudaMemcpyBatchAsync`` asked for the copy engine);
 - ``nic``: NCCL one-sided puts across nodes (NCCL's RMA proxy drives the NIC: no SM);
 - ``sm_ag``: the all-gather path's SM kernels (the fp32 -> bf16 cast every mode runs,
   FSDP2's copy-in); ``sm_rs``: TIDE-RS's accumulate kernel.
@@ -46,6 +48,12 @@ found wins:
    SM kernel is the cast).
 5. NIC: modeled: no SM, and the NIC reads HBM at its line rate (50 GB/s at 400 Gb/s,
    about 1% of the measured 3947 GiB/s device copy): 0 both ways.
+5b. ``ce_local``: the one-GPU result's ``local_batch_ce`` side (one wave of placement
+   copies in one ``cudaMemcpyBatchAsync`` asked for the copy engine), both directions, once
+   measured. Until then the most pessimistic figure the project has, named so
+   (:data:`PESSIMISTIC`): the one-GPU ``copy_engine`` side (a same-device ``copy_``, the
+   driver's choice of engine) with its OWN stretch (+1116% beside large GEMMs), not the
+   NVLink copies' profiled +1.8%.
 6. A class no result measured takes the ``large`` GEMM's figure (said in its source).
 """
 
@@ -61,11 +69,13 @@ from typing import Any
 from torchtitan_tide.simulator.results import newest_of_kind, read_result
 
 NCCL, NCCL_SYMK, CE, NIC, SM_AG, SM_RS = "nccl", "nccl_symk", "ce", "nic", "sm_ag", "sm_rs"
-ENGINES = (NCCL, NCCL_SYMK, CE, NIC, SM_AG, SM_RS)
+CE_LOCAL = "ce_local"
+ENGINES = (NCCL, NCCL_SYMK, CE, CE_LOCAL, NIC, SM_AG, SM_RS)
 SINGLE_WAVE, LARGE, GROUPED, ATTENTION = "single_wave", "large", "grouped_experts", "attention"
 CLASSES = (SINGLE_WAVE, LARGE, GROUPED, ATTENTION)
 MEASURED_2GPU, MEASURED_1GPU = "measured (2x H200)", "measured (one H200)"
 DERIVED, MODELED, NOT_MEASURED = "derived (2x H200)", "modeled", "not measured"
+PESSIMISTIC = "most pessimistic figure (not a copy-engine measurement)"
 
 INTERFERENCE_FILE = "2026-11-30_nvidia-h200-x-2_8a9ccda_interference.json"
 COLLECTIVES_FILE = "2026-11-30_nvidia-h200-x-2_8a9ccda_collectives.json"
@@ -73,7 +83,7 @@ ONE_GPU_KIND = "interference_one_gpu"
 # bench_interference --one-gpu: the side op standing for each engine
 ONE_GPU_SIDE = {
     CE: "copy_engine", NCCL: "nccl_like_24", NCCL_SYMK: "nccl_like_9",
-    SM_AG: "cast_foreach", SM_RS: "accumulate",
+    SM_AG: "cast_foreach", SM_RS: "accumulate", CE_LOCAL: "local_batch_ce",
 }  # fmt: skip
 _CAP = 0.99  # the largest share of compute an op may take while it runs
 
@@ -249,6 +259,25 @@ def _ce_stand_in(fig: Figure | None, g_ce: float, ce_source: str) -> Figure | No
         f"{100 * g_ce:+.1f}% ({ce_source or 'not measured: 0'})"))  # fmt: skip
 
 
+def _pessimistic_local(fig: Figure | None) -> Figure | None:
+    """Local copies until ``local_batch_ce`` is measured: the one-GPU same-device ``copy_``
+    with both its figures, its own stretch included (:data:`PESSIMISTIC`)."""
+    if fig is None:
+        return None
+    return replace(fig, kind=PESSIMISTIC, source=(
+        f"{fig.source}; both figures used: the most pessimistic the project has for a local "
+        "copy until bench_interference --one-gpu measures local_batch_ce (a copy forced onto "
+        "the copy engine)"))  # fmt: skip
+
+
+def _unmeasured_local(fig: Figure | None) -> Figure | None:
+    """Local copies with no one-GPU result at all: the NVLink copy's figures, said."""
+    if fig is None:
+        return None
+    return replace(fig, kind=NOT_MEASURED, source=(
+        f"no one-GPU result: the copy engine's NVLink figures ({fig.source})"))  # fmt: skip
+
+
 SM_AG_PATHS = {"fsdp2": f"{SM_AG}:fsdp2", "symm_mem": f"{SM_AG}:symm_mem", "tide": SM_AG}
 TABLE_ENGINES = (*ENGINES, SM_AG_PATHS["fsdp2"], SM_AG_PATHS["symm_mem"])
 
@@ -274,6 +303,12 @@ def figure_table(
                 table[key] = two.get(key) or one.get(key)
             elif engine == CE:
                 table[key] = two.get(key) or _ce_stand_in(one.get(key), g_ce, ce_source)
+            elif engine == CE_LOCAL:
+                table[key] = (
+                    one.get(key)
+                    or _pessimistic_local(one.get((CE, cls)))
+                    or (_unmeasured_local(table.get((CE, cls))))
+                )
             else:
                 table[key] = one.get((base, cls)) or two.get(key)
             fig = table[key]
@@ -324,6 +359,35 @@ def ce_in_step(results_dir: Path, step_files: Mapping[str, str], groups: Sequenc
         f"{other:.1f} ms of non-communication copies) vs {tide_alone:.1f} ms alone "
         f"({COLLECTIVES_FILE}) = {100 * g:+.1f}%"
     )
+
+
+def local_copy_rate(results_dir: Path, fallback: tuple[float, str]) -> tuple[float, str, str]:
+    """(GiB/s copied, kind, source) of a local HBM-to-HBM copy on the copy engine: the
+    newest one-GPU result's ``local_batch_ce`` rate alone (median over its rows), else the
+    most pessimistic rate the project has: the lower of ``fallback`` (a device copy's rate,
+    ``inputs.copy_rate``) and the one-GPU ``copy_engine`` side's rate alone."""
+    path = one_gpu_file(results_dir)
+    rows = json.loads(path.read_text())["tables"][0]["rows"] if path else []
+    measured = [r["side_gib_s_alone"] for r in rows
+                if r.get("side") == ONE_GPU_SIDE[CE_LOCAL] and r.get("side_gib_s_alone")]  # fmt: skip
+    if measured:
+        rate = sorted(measured)[len(measured) // 2]
+        return rate, MEASURED_1GPU, f"{path.name}: local_batch_ce alone, {rate:.0f} GiB/s"
+    found = [fallback]
+    if path is not None:
+        data = json.loads(path.read_text())
+        unit = (data["config"].get("side_bytes") or {}).get("copy_engine", 256 * 2**20)
+        units = data["config"]["units"].get("copy_engine", 0)
+        alone = sorted(r["side_alone_ms"] for r in rows
+                       if r.get("side") == "copy_engine" and r.get("side_alone_ms"))  # fmt: skip
+        if alone and units:
+            ms = alone[len(alone) // 2]
+            rate = units * unit / 2**30 / (ms / 1e3)
+            text = (f"{path.name}: copy_engine side alone, {units} x {unit / 2**20:.0f} MiB in "
+                    f"{ms:.2f} ms = {rate:.0f} GiB/s")  # fmt: skip
+            found.append((rate, text))
+    rate, text = min(found)
+    return rate, PESSIMISTIC, f"{text} (the lowest of: {'; '.join(t for _, t in found)})"
 
 
 ATTENTION_NAMES = ("sdpa", "flash", "fmha", "attention")

@@ -9,13 +9,19 @@ Every figure here is a named physical or library figure, printed with its source
   the measured 2x H200 machine the one peer had all 18 links, so a node-local rate
   measured there is already an aggregate per GPU; at L ranks per node it is taken as the
   aggregate over the L-1 peers, capped by NV18.
-- NIC: one NIC per GPU at the cluster file's rate (``nic_gbps_per_gpu``). A ring across
+- NIC: one NIC per GPU at the cluster file's rate (``nic_gbps_per_gpu``), of which a
+  transfer reaches what NCCL's maintainers expect of a 400 Gb/s NDR NIC: 46-48 GB/s
+  (:data:`NIC_GBYTES_AT_400G`, the low end, 92% of the line rate;
+  https://github.com/NVIDIA/nccl-tests/issues/290), for every mode alike. A ring across
   nodes crosses the network once per node on each of its channels' NICs, so it runs at
-  most ``L x NIC`` per GPU (NCCL spreads its channels over the node's NICs); TIDE's
-  cross-node moves go rail to rail, one NIC per GPU.
-- NCCL channels: the ring kernel measured at 2 ranks ran 24 CTAs (24 channels); NCCL
-  keeps that channel count across nodes (its ring graph is the NVLink one), so the
-  measured rate is the channels' rate and binds wherever it is below ``L x NIC``.
+  ``L x`` that per GPU: NCCL spreads its channels over the node's L NICs (at 8 x 400
+  Gb/s, 343 GiB/s). TIDE's cross-node moves go rail to
+  rail, one NIC per GPU, which carries every cross-node byte of every stream of its GPU
+  (the engine's shared link ``nic``).
+- NCCL channels: the ring kernel measured at 2 ranks ran 24 CTAs (24 channels) over
+  NVLink only; within one node that measured rate is the ring's. Across nodes NCCL opens
+  channels per NIC and the NICs bind, not the 2-GPU channel count (issue 46, finding A:
+  the 2-GPU rate, 271 GiB/s, had capped stock's ring below what it reaches there).
 - Latency (alpha): NCCL's own tuning model (``src/graph/tuning.cc``, Ring / Simple):
   8.4 us per collective, 3.4 us per NVLink step, 9.6 us per network step; a ring
   all-gather or reduce-scatter of W ranks on N nodes has W-1 steps, N-1 of them across
@@ -34,6 +40,8 @@ NCCL_BASE_US = 8.4  # tuning.cc baseLat, Ring / Simple
 NVLINK_STEP_US = 3.4  # tuning.cc hwLat NVLINK, Ring / Simple
 NET_STEP_US = 9.6  # tuning.cc hwLat NET, Ring / Simple
 NCCL_RING_CHANNELS = 24  # CTAs of AllGather_RING_LL / ReduceScatter_RING_LL at 2 ranks
+NIC_GBYTES_AT_400G = 46.0  # GB/s per 400 Gb/s NDR NIC (NCCL's maintainers: 46-48)
+NIC_EFFICIENCY = NIC_GBYTES_AT_400G / 50.0
 
 SOURCES = {
     "nvlink": (
@@ -42,16 +50,22 @@ SOURCES = {
         "peers (NVIDIA H200 SXM; nvidia-smi topo shows NV18 on the measured machine, "
         "docs/design/2026-11-29-h200-facts.md)"
     ),
-    "nic": "the cluster file's nic_gbps_per_gpu (one NIC per GPU; a ring: L x NIC per GPU)",
+    "nic": (
+        f"the cluster file's nic_gbps_per_gpu, one NIC per GPU shared by every stream of the "
+        f"GPU, at {100 * NIC_EFFICIENCY:.0f}% of its line rate ({NIC_GBYTES_AT_400G:.0f} GB/s per "
+        "400 Gb/s NDR NIC: NCCL's maintainers expect 46-48, "
+        "https://github.com/NVIDIA/nccl-tests/issues/290); NCCL's ring across nodes: L x that "
+        "per GPU (343 GiB/s at 8 x 400 Gb/s)"
+    ),
     "latency": (
         f"NCCL's tuning model (src/graph/tuning.cc, Ring / Simple): {NCCL_BASE_US} us per "
         f"collective + {NVLINK_STEP_US} us per NVLink step + {NET_STEP_US} us per network "
         "step; one step per TIDE message"
     ),
     "channels": (
-        f"NCCL's ring ran {NCCL_RING_CHANNELS} CTAs (channels) at 2 ranks "
-        "(bench_collectives profile); the measured ring rate is that of its channels and "
-        "binds where it is below L x NIC"
+        f"NCCL's ring ran {NCCL_RING_CHANNELS} CTAs (channels) at 2 ranks over NVLink "
+        "(bench_collectives profile): its rate is the ring's within one node; across nodes "
+        "NCCL runs channels on every NIC and the L NICs bind"
     ),
 }
 
@@ -79,6 +93,11 @@ def node_local_gibps(measured_gibps: float) -> float:
     return min(measured_gibps, nvlink_gibps())
 
 
+def nic_gibps(line_gibps: float) -> float:
+    """What one transfer reaches of a NIC of ``line_gibps`` (:data:`NIC_EFFICIENCY`)."""
+    return line_gibps * NIC_EFFICIENCY
+
+
 def ring_latency_ms(lay: Layout) -> float:
     """NCCL's modeled latency of one ring all-gather / reduce-scatter (0 at one rank)."""
     if lay.world <= 1:
@@ -88,10 +107,16 @@ def ring_latency_ms(lay: Layout) -> float:
     return (NCCL_BASE_US + nvl_steps * NVLINK_STEP_US + net_steps * NET_STEP_US) / 1e3
 
 
-def ring_ms(shard_bytes: float, lay: Layout, ring_gibps: float, nic_gibps: float) -> float:
-    """NCCL ring all-gather / reduce-scatter: ``(W-1) * shard`` bytes per rank at the
-    measured channels' rate, across nodes at most ``L * NIC``; plus NCCL's latency."""
-    bw = ring_gibps if lay.nodes == 1 else min(ring_gibps, lay.local * nic_gibps)
+def ring_gibps(lay: Layout, measured_gibps: float, nic: float) -> float:
+    """Per-GPU rate of NCCL's ring: within a node the measured channels' rate; across
+    nodes ``L x`` what a transfer reaches of one NIC (``nic``: :func:`nic_gibps`)."""
+    return measured_gibps if lay.nodes == 1 else lay.local * nic
+
+
+def ring_ms(shard_bytes: float, lay: Layout, measured_gibps: float, nic: float) -> float:
+    """NCCL ring all-gather / reduce-scatter: ``(W-1) * shard`` bytes per rank at
+    :func:`ring_gibps`; plus NCCL's latency."""
+    bw = ring_gibps(lay, measured_gibps, nic)
     return ring_latency_ms(lay) + 1e3 * (lay.world - 1) * shard_bytes / (bw * GIB)
 
 
@@ -100,32 +125,3 @@ def message_ms(nbytes: float, gibps: float, steps: int, step_us: float) -> float
     if nbytes <= 0 and steps <= 0:
         return 0.0
     return steps * step_us / 1e3 + 1e3 * nbytes / (gibps * GIB)
-
-
-def cross_node_steps(nodes: int) -> int:
-    """Steps of TIDE's cross-node all-gather (``plan.cross_node_exchanges``): recursive
-    doubling (log2 N) for a power of two, else N-1 direct steps."""
-    if nodes <= 1:
-        return 0
-    if nodes & (nodes - 1) == 0:
-        return nodes.bit_length() - 1
-    return nodes - 1
-
-
-def ag_waves(nodes: int, pacing: int) -> list[int]:
-    """Entries (node shards) arriving per wave of TIDE-AG's cross-node phase: recursive
-    doubling step k brings 2^k entries (direct exchange: 1 per step), split in waves of
-    at most ``pacing`` entries (0: one wave per step)."""
-    if nodes <= 1:
-        return []
-    if nodes & (nodes - 1) == 0:
-        per_step = [2**k for k in range(nodes.bit_length() - 1)]
-    else:
-        per_step = [1] * (nodes - 1)
-    waves = []
-    for entries in per_step:
-        if pacing <= 0:
-            waves.append(entries)
-        else:
-            waves += [min(pacing, entries - i) for i in range(0, entries, pacing)]
-    return waves

@@ -18,8 +18,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from torchtitan_tide.comm import schedule as tide_schedule
-from torchtitan_tide.comm.schedule import PIPELINED, SERIAL
 from torchtitan_tide.simulator.cluster import NCCL_MEASURED, Cluster
 from torchtitan_tide.simulator.engine import idle_and_comm
 from torchtitan_tide.simulator.inputs import (
@@ -76,8 +74,17 @@ ASSUMPTIONS = (
         "compared with the stronger"
     ),
     (
-        "TIDE: the schedule the code runs (torchtitan_tide/comm/schedule.py CURRENT), fp32 "
-        "partials on the RS wire, send/recv across nodes unless a row says one-sided"
+        "TIDE: the op plans the code runs (comm/window_rounds.py on NCCL windows, comm/plan.py "
+        "on the copy engine and send/recv), on the transport its [tide] ag_transport / "
+        "cross_node_transport = 'auto' take on the row's NCCL (>= 2.29: NCCL windows and the "
+        "one-sided phase-2 ring, host RMA between nodes assumed; 2.28.9: copy engine in the "
+        "node, send/recv across), fp32 partials on the RS wire unless a row says bf16; in place "
+        "where the plan delivers in place (one rank per node today: not at 8 x 8)"
+    ),
+    (
+        "local copies (placement, pack): the most pessimistic figure the project has until "
+        "bench_interference --one-gpu measures a copy forced onto the copy engine "
+        "(local_batch_ce): the interference table says which"
     ),
     "H200 SXM GPUs at the power-capped clocks of the measured machines",
 )
@@ -213,6 +220,7 @@ def reference_rows(results_dir: Path, cluster: Cluster) -> tuple[list[dict], dic
 
     rows, inputs = [], {}
     fsdp2_step: dict[tuple[str, int], float] = {}
+    ceiling: dict[tuple[str, int], float] = {}
     for config in REFERENCE_CONFIGS:
         cm = load_config_model(config)
         model = model_of(config)
@@ -225,43 +233,36 @@ def reference_rows(results_dir: Path, cluster: Cluster) -> tuple[list[dict], dic
             for r in sim["rows"]:
                 if r["mode"] == "fsdp2":
                     fsdp2_step[(model, gpus)] = r["sim_step_ms"]
+                    ceiling[(model, gpus)] = r["sim_step_ms"] / _floor(r)
                 rows.append({**r, "model": model})
     for r in rows:
         base = fsdp2_step.get((r["model"], r["gpus"]))
         r["sim_speedup_vs_fsdp2"] = base / r["sim_step_ms"] if base else None
+        r["ceiling_vs_fsdp2"] = ceiling.get((r["model"], r["gpus"]))
     return rows, inputs
 
 
+AS_BUILT = f"tide (NCCL {NCCL_MEASURED}: as built, copy engine + send/recv)"
+AUTO_NEW = f"tide (NCCL {NCCL_NEW}: auto, NCCL windows + one-sided ring)"
+
+
 def _variants(old: Cluster, new: Cluster) -> list[tuple[str, str, Cluster, dict]]:
-    """The 64-GPU comparison's rows: (mode, label, cluster, simulate_config options)."""
-    current = tide_schedule.CURRENT
-    other = PIPELINED if current is not PIPELINED else None
-    rows = [
+    """The 64-GPU comparison's rows, one per row the code runs: (mode, label, cluster,
+    simulate_config options). TIDE on each NCCL runs what ``auto`` takes there."""
+    return [
         ("fsdp2", "fsdp2", old, {}),
         ("symm_mem", f"symm_mem (NCCL {NCCL_MEASURED})", old, {}),
         ("symm_mem", f"symm_mem (NCCL {NCCL_NEW})", new, {}),
-        ("tide", f"tide ({current.name}: as built)", old, {}),
+        ("tide", AS_BUILT, old, {}),
+        ("tide", AUTO_NEW, new, {}),
+        ("tide", f"tide (NCCL {NCCL_NEW}: auto, bf16 wire)", new, {"rs_wire_bytes": 2}),
     ]
-    if other is not None:
-        rows.append(("tide", f"tide, {other.name} (issue 34, modeled)", old, {"schedule": other}))
-    for sched in (current, other):
-        if sched is None:
-            continue
-        tag = f"{sched.name}, " if other is not None else ""
-        rows += [
-            ("tide", f"tide, {tag}one-sided cross-node (modeled)", old,
-             {"schedule": sched, "cross_node": "one_sided"}),
-            ("tide", f"tide, {tag}one-sided + bf16 wire (modeled)", old,
-             {"schedule": sched, "cross_node": "one_sided", "rs_wire_bytes": 2}),
-        ]  # fmt: skip
-    return rows
 
 
 def baseline_rows(results_dir: Path, cluster: Cluster, gpus: int = 64) -> list[dict[str, Any]]:
-    """Per model at ``gpus``: fsdp2, symm_mem on NCCL 2.28.9 and on NCCL >= 2.31, tide
-    (the schedule the code runs; the other schedule and the modeled one-sided / bf16-wire
-    options), each with its step breakdown; tide's step-time reduction and speed-up
-    against fsdp2 and against the stronger symm_mem."""
+    """Per model at ``gpus``: fsdp2, symm_mem and tide on NCCL 2.28.9 and on NCCL >= 2.31
+    (tide: what ``auto`` runs there), each with its step breakdown, its speed-up against
+    fsdp2 and against the symm_mem of the same NCCL, and the ceiling (:func:`_ceiling`)."""
     from torchtitan_tide.fsdp_groups import load_config_model
 
     out: list[dict[str, Any]] = []
@@ -286,19 +287,34 @@ def baseline_rows(results_dir: Path, cluster: Cluster, gpus: int = 64) -> list[d
     return out
 
 
+def _floor(row: dict[str, Any]) -> float:
+    """A row's step without communication: compute, optimizer and host."""
+    return row["sim_bd_compute_ms"] + row["sim_bd_optimizer_ms"] + row["sim_bd_host_ms"]
+
+
+def _ceiling(rows: list[dict[str, Any]], row: dict[str, Any]) -> None:
+    """Beside a row's speed-up, its ceiling (stock's step over compute + optimizer + host:
+    no speed-up from communication can pass it) and what the row still loses to it: SM
+    time taken from compute, layout copies, exposed communication."""
+    stock = next(r for r in rows if r["mode"] == "fsdp2")
+    row["ceiling_vs_fsdp2"] = stock["sim_step_ms"] / _floor(stock)
+    row["lost_to_ceiling_ms"] = row["sim_step_ms"] - _floor(row)
+    row["lost_exposed_ms"] = sum(row[f"sim_bd_exposed_{k}_ms"] for k in ("fwd", "bwd", "tail"))
+
+
 def _compare(rows: list[dict[str, Any]]) -> None:
-    """Step-time reduction and speed-up of each row against fsdp2 and against the
-    stronger symm_mem generation, with and without collectives slowed by compute."""
+    """Speed-up of each row against fsdp2 and against the symm_mem row of the same NCCL,
+    with and without collectives slowed by compute; the ceiling beside it."""
     for key, tag in (("sim_step_ms", ""), ("step_ms_comm_not_slowed", "_comm_not_slowed")):
         step = {r["variant"]: r[key] for r in rows}
-        symm = {k: v for k, v in step.items() if k.startswith("symm_mem")}
-        strongest = min(symm, key=symm.get)
+        symm = {r["nccl"]: r[key] for r in rows if r["mode"] == "symm_mem"}
         for row in rows:
-            row[f"stronger_symm_mem{tag}"] = strongest
             row[f"vs_fsdp2_reduction_pct{tag}"] = 100 * (1 - row[key] / step["fsdp2"])
             row[f"vs_fsdp2_speedup{tag}"] = step["fsdp2"] / row[key]
-            row[f"vs_symm_reduction_pct{tag}"] = 100 * (1 - row[key] / symm[strongest])
-            row[f"vs_symm_speedup{tag}"] = symm[strongest] / row[key]
+            row[f"vs_symm_reduction_pct{tag}"] = 100 * (1 - row[key] / symm[row["nccl"]])
+            row[f"vs_symm_speedup{tag}"] = symm[row["nccl"]] / row[key]
+    for row in rows:
+        _ceiling(rows, row)
 
 
 def ring_rs_symm_mem(inputs: Inputs) -> Inputs:
@@ -321,15 +337,18 @@ NIC_GBPS = (100, 200, 400)
 
 
 def sensitivity_rows(results_dir: Path, cluster: Cluster) -> list[dict[str, Any]]:
-    """Llama-3.1-70B and Qwen3-30B-A3B at 64 GPUs: GPUs per node, the NCCL generation,
-    collectives not slowed by compute, symm_mem with NCCL's ring RS, and TIDE's schedule."""
+    """Llama-3.1-70B and Qwen3-30B-A3B at 64 GPUs: GPUs per node, the NCCL generation
+    (TIDE takes what ``auto`` runs on it), collectives not slowed by compute, symm_mem with
+    NCCL's ring RS, and the transports the code can be told to run on NCCL 2.31."""
     from torchtitan_tide.fsdp_groups import load_config_model
 
     rows = []
+    new = replace(cluster, nccl_version=NCCL_NEW)
     variants = [("gpus_per_node", v, replace(cluster, gpus_per_node=v), {}) for v in (4, 8)]
     variants += [("nccl_version", v, replace(cluster, nccl_version=v), {})
                  for v in ("2.30.7", NCCL_NEW)]  # fmt: skip
-    variants += [("TIDE schedule", s.name, cluster, {"schedule": s}) for s in (SERIAL, PIPELINED)]
+    variants += [(f"TIDE on NCCL {NCCL_NEW}", "rs_wire_dtype = 'bfloat16'", new,
+                  {"rs_wire_bytes": 2})]  # fmt: skip
     for config in ("llama70b_fsdp2", "qwen3_30b_a3b_fsdp2"):
         cm = load_config_model(config)
         inp = build_inputs(cm, results_dir, None, 0.4)
@@ -340,10 +359,25 @@ def sensitivity_rows(results_dir: Path, cluster: Cluster) -> list[dict[str, Any]
             ("symm_mem RS (NCCL 2.28.9)", "ring (not built)", cluster, ring_rs_symm_mem(inp), {}),
         ]:  # fmt: skip
             sim = simulate_config(config, 64, MODES, variant, results_dir, cm=cm, inputs=ins, **kw)
+            stock = next(r for r in sim["rows"] if r["mode"] == "fsdp2")
             rows += [
-                {"model": model_of(config), "knob": knob, "value": value, **r} for r in sim["rows"]
-            ]
+                {"model": model_of(config), "knob": knob, "value": value,
+                 "ceiling_vs_fsdp2": stock["sim_step_ms"] / _floor(stock), **r}
+                for r in sim["rows"]
+            ]  # fmt: skip
     return rows
+
+
+# The tokens x NIC table's step columns: (key, mode, NCCL, simulate_config options), one
+# per row the code can run.
+TOKENS_NIC_ROWS = (
+    ("fsdp2", "fsdp2", NCCL_MEASURED, {}),
+    ("symm_mem_2_28", "symm_mem", NCCL_MEASURED, {}),
+    ("symm_mem_2_31", "symm_mem", NCCL_NEW, {}),
+    ("tide_2_28", "tide", NCCL_MEASURED, {}),
+    ("tide_2_31", "tide", NCCL_NEW, {}),
+    ("tide_2_31_bf16", "tide", NCCL_NEW, {"rs_wire_bytes": 2}),
+)
 
 
 def tokens_nic_rows(
@@ -351,13 +385,13 @@ def tokens_nic_rows(
     tokens_per_gpu: tuple[int, ...] = TOKENS, nics: tuple[int, ...] = NIC_GBPS,
     models: tuple[str, ...] = ("llama70b", "qwen3_30b_a3b", "wan22_a14b"),
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """The three models at ``gpus``: tokens per GPU (one sequence) x NIC Gb/s per GPU; tide
-    (the schedule the code runs, and the pipelined one) against stock FSDP2 and against
-    symm_mem on NCCL 2.31.2."""
+    """The three models at ``gpus``: tokens per GPU (one sequence) x NIC Gb/s per GPU; one
+    step column per row the code can run (:data:`TOKENS_NIC_ROWS`: TIDE as ``auto`` runs it
+    on each NCCL), tide against stock FSDP2 and the symm_mem of the same NCCL, and the
+    ceiling (stock's step over compute + optimizer + host)."""
     from torchtitan_tide.fsdp_groups import load_config_model
 
     rows = []
-    new = replace(cluster, nccl_version=NCCL_NEW)
     for model in models:
         cms = {m: load_config_model(f"{model}_{m}") for m in ("fsdp2", "symm_mem", "tide")}
         for tokens in tokens_per_gpu:
@@ -365,26 +399,85 @@ def tokens_nic_rows(
             ins = {m: build_inputs(cm, results_dir, None, 0.4, workload=work)
                    for m, cm in cms.items()}  # fmt: skip
             for nic in nics:
-                old_nic, new_nic = replace(cluster, nic_gbps_per_gpu=nic), replace(
-                    new, nic_gbps_per_gpu=nic)  # fmt: skip
-                step = {}
-                for key, mode, clu, kw in (
-                    ("fsdp2", "fsdp2", old_nic, {}), ("symm_mem", "symm_mem", new_nic, {}),
-                    ("tide", "tide", old_nic, {}),
-                    ("tide_pipelined", "tide", old_nic, {"schedule": PIPELINED}),
-                ):  # fmt: skip
+                step, floor = {}, 0.0
+                for key, mode, nccl, kw in TOKENS_NIC_ROWS:
+                    clu = replace(cluster, nic_gbps_per_gpu=nic, nccl_version=nccl)
                     sim = simulate_config(f"{model}_{mode}", gpus, [mode], clu, results_dir,
                                           cm=cms[mode], inputs=ins[mode], **kw)  # fmt: skip
                     step[key] = sim["rows"][0]["sim_step_ms"]
+                    if key == "fsdp2":
+                        floor = _floor(sim["rows"][0])
                 rows.append({
                     "model": model, "tokens_per_gpu": tokens, "nic_gbps_per_gpu": nic,
                     **{f"{k}_ms": v for k, v in step.items()},
-                    "tide_vs_fsdp2": step["fsdp2"] / step["tide"],
-                    "tide_vs_symm_mem_2_31": step["symm_mem"] / step["tide"],
-                    "pipelined_vs_fsdp2": step["fsdp2"] / step["tide_pipelined"],
-                    "pipelined_vs_symm_mem_2_31": step["symm_mem"] / step["tide_pipelined"],
+                    "ceiling_vs_fsdp2": step["fsdp2"] / floor,
+                    "tide_2_28_vs_fsdp2": step["fsdp2"] / step["tide_2_28"],
+                    "tide_2_28_vs_symm_mem": step["symm_mem_2_28"] / step["tide_2_28"],
+                    "tide_2_31_vs_fsdp2": step["fsdp2"] / step["tide_2_31"],
+                    "tide_2_31_vs_symm_mem": step["symm_mem_2_31"] / step["tide_2_31"],
+                    "tide_2_31_bf16_vs_symm_mem": step["symm_mem_2_31"] / step["tide_2_31_bf16"],
                 })  # fmt: skip
     return rows
+
+
+def what_if_rows(results_dir: Path, cluster: Cluster, gpus: int = 64) -> list[dict[str, Any]]:
+    """What would close the rest, NOT what the code runs: the headline's NCCL 2.31 row with
+    one input changed, each named. ``copies as NVLink copies``: local copies stretched and
+    slowing compute as the copy engine's NVLink copies (+1.8%, +9%), not the most
+    pessimistic figure (what the one-GPU measurement of a copy forced onto the copy
+    engine may show); ``no local copies``: placement and pack free (an upper bound on in
+    place at every layout, issue 45, which would remove the placement copies, not all)."""
+    from torchtitan_tide.fsdp_groups import load_config_model
+
+    new = replace(cluster, nccl_version=NCCL_NEW)
+    rows = []
+    for model in ("llama70b", "qwen3_30b_a3b", "wan22_a14b"):
+        steps = {}
+        for mode in ("fsdp2", "symm_mem", "tide"):
+            cm = load_config_model(f"{model}_{mode}")
+            ins = build_inputs(cm, results_dir, None, 0.4)
+            variants = {mode: ins}
+            if mode == "tide":
+                variants = {
+                    "as run": ins,
+                    "local copies as NVLink copies": replace(ins, engines={
+                        **ins.engines, "ce_local": ins.engines["ce"]}),
+                    "no local copies (upper bound of in place at N x L)": replace(
+                        ins, copy_gibps=1e12, engines={**ins.engines, "ce_local": (0.0, 0.0)}),
+                }  # fmt: skip
+            for name, variant in variants.items():
+                sim = simulate_config(f"{model}_{mode}", gpus, [mode], new, results_dir, cm=cm,
+                                      inputs=variant)  # fmt: skip
+                steps[name] = sim["rows"][0]["sim_step_ms"]
+                if mode == "fsdp2":
+                    ceiling = steps[name] / _floor(sim["rows"][0])
+        for name in ("as run", "local copies as NVLink copies",
+                     "no local copies (upper bound of in place at N x L)"):  # fmt: skip
+            rows.append({"model": model, "what_if": name, "sim_step_ms": steps[name],
+                         "vs_fsdp2_speedup": steps["fsdp2"] / steps[name],
+                         "ceiling_vs_fsdp2": ceiling,
+                         "vs_symm_speedup": steps["symm_mem"] / steps[name]})  # fmt: skip
+    return rows
+
+
+def headline_rows(baseline: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per model and NCCL: the row ``auto`` runs there against stock FSDP2 and the symm_mem
+    of the same NCCL, the ceiling beside it, what it still loses, and the paper's figures."""
+    out = []
+    for row in baseline:
+        if row["mode"] != "tide" or row["rs_wire_bytes"] != 4:
+            continue
+        out.append({
+            "model": row["model"], "nccl": row["nccl"], "tide_runs": row["variant"],
+            "vs_fsdp2_speedup": row["vs_fsdp2_speedup"],
+            "ceiling_vs_fsdp2": row["ceiling_vs_fsdp2"],
+            "vs_symm_speedup": row["vs_symm_speedup"],
+            "lost_to_ceiling_ms": row["lost_to_ceiling_ms"],
+            "sm_taken_ms": row["sim_bd_sm_taken_ms"], "exposed_ms": row["lost_exposed_ms"],
+            "layout_ms": row["sim_bd_layout_ms"], "local_copies_ms": row["sim_bd_local_copies_ms"],
+            "paper": "1.372x vs stock (up to), 1.064x vs FSDP2+SymmMem (up to)",
+        })  # fmt: skip
+    return out
 
 
 def assumption_rows(inputs: dict[str, Inputs]) -> list[dict[str, str]]:
@@ -418,33 +511,60 @@ BREAKDOWN = [("sim_bd_compute_ms", "compute ms"),
              ("sim_bd_exposed_bwd_ms", "exposed comm: backward ms"),
              ("sim_bd_exposed_tail_ms", "exposed comm: tail ms"),
              ("sim_bd_optimizer_ms", "optimizer ms"), ("sim_bd_host_ms", "host ms")]  # fmt: skip
-BASELINE_COLUMNS = [("model", "model"), ("variant", "variant"), ("sim_step_ms", "sim step ms"),
+BASELINE_COLUMNS = [("model", "model"), ("variant", "variant"),
+                    ("tide_transport", "TIDE runs"), ("rs_phase2", "TIDE-RS phase 2"),
+                    ("in_place", "in place"), ("sim_step_ms", "sim step ms"),
                     ("vs_fsdp2_reduction_pct", "step-time reduction vs fsdp2 %"),
                     ("vs_fsdp2_speedup", "speed-up vs fsdp2"),
-                    ("stronger_symm_mem", "stronger symm_mem"),
-                    ("vs_symm_reduction_pct", "reduction vs stronger symm_mem %"),
-                    ("vs_symm_speedup", "speed-up vs stronger symm_mem"),
-                    *BREAKDOWN, ("sim_accumulate_ms", "TIDE accumulate ms"),
-                    ("sim_comm_slowed_ms", "comm slowed by compute ms"),
+                    ("ceiling_vs_fsdp2", "ceiling vs fsdp2"),
+                    ("vs_symm_reduction_pct", "reduction vs symm_mem (same NCCL) %"),
+                    ("vs_symm_speedup", "speed-up vs symm_mem (same NCCL)"),
+                    ("lost_to_ceiling_ms", "lost to the ceiling ms"),
+                    *BREAKDOWN, ("sim_bd_local_copies_ms", "local copies, device ms"),
+                    ("sim_bd_nic_busy_ms", "NIC busy ms"),
+                    ("sim_accumulate_ms", "TIDE accumulate ms"),
+                    ("sim_comm_slowed_ms", "comm slowed by compute and shared links ms"),
                     ("step_ms_comm_not_slowed", "sim step ms, comm not slowed"),
                     ("vs_fsdp2_speedup_comm_not_slowed", "speed-up vs fsdp2, comm not slowed"),
                     ("vs_symm_speedup_comm_not_slowed",
-                     "speed-up vs stronger symm_mem, comm not slowed")]  # fmt: skip
+                     "speed-up vs symm_mem, comm not slowed")]  # fmt: skip
+HEADLINE_COLUMNS = [("model", "model"), ("nccl", "NCCL"), ("tide_runs", "TIDE runs (auto)"),
+                    ("vs_fsdp2_speedup", "speed-up vs stock FSDP2"),
+                    ("ceiling_vs_fsdp2", "ceiling (stock / (compute + optimizer + host))"),
+                    ("vs_symm_speedup", "speed-up vs FSDP2 + SymmMem (same NCCL)"),
+                    ("lost_to_ceiling_ms", "TIDE's step above compute + optimizer + host ms"),
+                    ("sm_taken_ms", "of it: SM time taken ms"),
+                    ("exposed_ms", "of it: exposed comm ms"), ("layout_ms", "of it: layout ms"),
+                    ("local_copies_ms", "local copies, device ms (off the compute stream)"),
+                    ("paper", "the paper")]  # fmt: skip
+WHAT_IF_COLUMNS = [("model", "model"), ("what_if", "what if (not what the code runs)"),
+                   ("sim_step_ms", "sim step ms"), ("vs_fsdp2_speedup", "speed-up vs fsdp2"),
+                   ("ceiling_vs_fsdp2", "ceiling vs fsdp2"),
+                   ("vs_symm_speedup", f"speed-up vs symm_mem (NCCL {NCCL_NEW})")]  # fmt: skip
 REFERENCE_COLUMNS = [("config", "config"), ("gpus", "GPUs"), ("nodes", "nodes"), ("mode", "mode"),
-                     ("sim_step_ms", "sim step ms"), ("sim_speedup_vs_fsdp2", "sim speed-up vs fsdp2"),
+                     ("tide_transport", "TIDE runs"), ("sim_step_ms", "sim step ms"),
+                     ("sim_speedup_vs_fsdp2", "sim speed-up vs fsdp2"),
+                     ("ceiling_vs_fsdp2", "ceiling vs fsdp2"),
                      *BREAKDOWN, ("sim_accumulate_ms", "TIDE accumulate ms"),
-                     ("sim_comm_slowed_ms", "comm slowed by compute ms")]  # fmt: skip
+                     ("sim_comm_slowed_ms", "comm slowed by compute and shared links ms")]  # fmt: skip
 SENSITIVITY_COLUMNS = [("model", "model"), ("knob", "cluster knob"), ("value", "value"), ("mode", "mode"),
+                       ("tide_transport", "TIDE runs"), ("rs_phase2", "TIDE-RS phase 2"),
                        ("sim_step_ms", "sim step ms"), ("sim_speedup_vs_fsdp2", "speed-up vs fsdp2"),
-                       ("sim_exposed_ms", "exposed ms")]  # fmt: skip
+                       ("ceiling_vs_fsdp2", "ceiling vs fsdp2"), ("sim_exposed_ms", "exposed ms")]  # fmt: skip
 TOKENS_NIC_COLUMNS = [("model", "model"), ("tokens_per_gpu", "tokens per GPU"),
                       ("nic_gbps_per_gpu", "NIC Gb/s per GPU"), ("fsdp2_ms", "fsdp2 ms"),
-                      ("symm_mem_ms", f"symm_mem (NCCL {NCCL_NEW}) ms"),
-                      ("tide_ms", "tide (as built) ms"), ("tide_vs_fsdp2", "tide vs fsdp2"),
-                      ("tide_vs_symm_mem_2_31", "tide vs symm_mem"),
-                      ("tide_pipelined_ms", "tide (pipelined) ms"),
-                      ("pipelined_vs_fsdp2", "pipelined vs fsdp2"),
-                      ("pipelined_vs_symm_mem_2_31", "pipelined vs symm_mem")]  # fmt: skip
+                      ("symm_mem_2_28_ms", f"symm_mem (NCCL {NCCL_MEASURED}) ms"),
+                      ("symm_mem_2_31_ms", f"symm_mem (NCCL {NCCL_NEW}) ms"),
+                      ("tide_2_28_ms", f"tide (NCCL {NCCL_MEASURED}: copy engine + send/recv) ms"),
+                      ("tide_2_31_ms", f"tide (NCCL {NCCL_NEW}: windows + one-sided) ms"),
+                      ("tide_2_31_bf16_ms", f"tide (NCCL {NCCL_NEW}, bf16 wire) ms"),
+                      ("ceiling_vs_fsdp2", "ceiling vs fsdp2"),
+                      ("tide_2_28_vs_fsdp2", f"tide {NCCL_MEASURED} vs fsdp2"),
+                      ("tide_2_28_vs_symm_mem", f"tide {NCCL_MEASURED} vs symm_mem {NCCL_MEASURED}"),
+                      ("tide_2_31_vs_fsdp2", f"tide {NCCL_NEW} vs fsdp2"),
+                      ("tide_2_31_vs_symm_mem", f"tide {NCCL_NEW} vs symm_mem {NCCL_NEW}"),
+                      ("tide_2_31_bf16_vs_symm_mem",
+                       f"tide {NCCL_NEW} bf16 wire vs symm_mem {NCCL_NEW}")]  # fmt: skip
 INTERFERENCE_COLUMNS = [("engine", "engine"), ("compute_class", "compute class"),
                         ("compute_slowdown_pct", "compute slowed beside it %"),
                         ("comm_slowdown_pct", "it slowed beside compute %"),
@@ -485,6 +605,8 @@ def write_report(results_dir: Path, out_dir: Path, cluster: Cluster) -> dict[str
     common = _common()
     validation = validation_rows(results_dir, cluster)
     baseline = baseline_rows(results_dir, cluster)
+    headline = headline_rows(baseline)
+    what_if = what_if_rows(results_dir, cluster)
     reference, inputs = reference_rows(results_dir, cluster)
     tokens_nic = tokens_nic_rows(results_dir, cluster)
     sensitivity = sensitivity_rows(results_dir, cluster)
@@ -496,20 +618,29 @@ def write_report(results_dir: Path, out_dir: Path, cluster: Cluster) -> dict[str
     figures = list(models["llama70b"].figures)
     meta = common.metadata(max(GPU_COUNTS), machine="cpu")
     stem = common.result_stem(out_dir, "simulation", meta)
-    sim = f"SIMULATION; {cluster.name}"
+    sim = (
+        f"SIMULATION; {cluster.gpus_per_node} GPUs per node, {cluster.nic_gbps_per_gpu:.0f} Gb/s "
+        "NIC per GPU, NCCL as each row says"
+    )
+    ref = f"SIMULATION; {cluster.name}"
     tables = [
         _table("Validation: simulated vs measured steps (2x H200; one H200)",
                VALIDATION_COLUMNS, validation),
-        _table("64 GPUs: tide against stock FSDP2 and both SymmMem generations, with the "
-               f"step's breakdown ({sim})", BASELINE_COLUMNS, baseline),
+        _table("Headline at 64 GPUs (8 x 8, 8192 tokens/GPU): the row `auto` runs on each NCCL "
+               f"against stock and SymmMem of the same NCCL, with its ceiling ({sim})",
+               HEADLINE_COLUMNS, headline),
+        _table(f"What would close the rest at 64 GPUs on NCCL {NCCL_NEW}: WHAT-IFS, not what the "
+               f"code runs (one input changed each; {sim})", WHAT_IF_COLUMNS, what_if),
+        _table("64 GPUs: every row the code runs, against stock FSDP2 and the SymmMem of the "
+               f"same NCCL, with the step's breakdown ({sim})", BASELINE_COLUMNS, baseline),
         _table("The paper's figures, our assumptions it does not state, the modeled links",
                ASSUMPTION_COLUMNS, assumptions),
-        _table("Sensitivity at 64 GPUs: tokens per GPU x NIC Gb/s per GPU, vs stock FSDP2 and "
-               f"vs symm_mem on NCCL {NCCL_NEW} ({sim})", TOKENS_NIC_COLUMNS, tokens_nic),
+        _table("Sensitivity at 64 GPUs: tokens per GPU x NIC Gb/s per GPU, one column per row "
+               f"the code runs, with the ceiling ({sim})", TOKENS_NIC_COLUMNS, tokens_nic),
         _table("Interference per engine and compute class (f: compute beside it, g: it beside "
                "compute; what is measured, derived or modeled)", INTERFERENCE_COLUMNS, figures),
-        _table(f"Reference configs at 8-64 GPUs ({sim})", REFERENCE_COLUMNS, reference),
-        _table(f"Sensitivity at 64 GPUs: node shape, NCCL, TIDE schedule, comm not slowed ({sim})",
+        _table(f"Reference configs at 8-64 GPUs ({ref})", REFERENCE_COLUMNS, reference),
+        _table(f"Sensitivity at 64 GPUs: node shape, NCCL, TIDE's wire, comm not slowed ({sim})",
                SENSITIVITY_COLUMNS, sensitivity),
     ]  # fmt: skip
     sources = source_rows(validation, cluster)
@@ -522,8 +653,9 @@ def write_report(results_dir: Path, out_dir: Path, cluster: Cluster) -> dict[str
         "cluster": asdict(cluster),
         "paper": PAPER,
         "assumptions": list(ASSUMPTIONS),
-        "schedule": tide_schedule.CURRENT.name,
         "validation": validation,
+        "headline_64": headline,
+        "what_if_64": what_if,
         "baseline_64": baseline,
         "tokens_nic": tokens_nic,
         "interference": figures,
@@ -532,41 +664,69 @@ def write_report(results_dir: Path, out_dir: Path, cluster: Cluster) -> dict[str
         "inputs": inputs,
         "sources": sources,
         "tables": [{**t, "columns": [list(c) for c in t["columns"]]} for t in tables],
-        "headline": [],
+        "headline": [
+            common.headline_row(
+                f"simulated step at 64 GPUs, {r['model']}, NCCL {r['nccl']}",
+                "speed-up of the row auto runs",
+                {
+                    "vs_fsdp2": r["vs_fsdp2_speedup"],
+                    "ceiling_vs_fsdp2": r["ceiling_vs_fsdp2"],
+                    "vs_symm_mem": r["vs_symm_speedup"],
+                },
+                better="higher",
+            )
+            for r in headline
+        ],
     }
     lacking = sorted({r["config"] for r in validation if "world1_trace" in r["sources"]}
                      | {r["config"] for r in validation if r["sources"]["host"].startswith("not measured")})  # fmt: skip
     kinds = sorted({f["kind"] for f in figures})
     notes = (
-        f"A SIMULATION (torchtitan_tide/simulator/, docs/design/2026-12-04-simulator.md), not a "
+        f"A SIMULATION (torchtitan_tide/simulator/, docs/design/2026-12-07-simulator.md), not a "
         f"measurement, except the validation's measured column. {within} of {len(validation)} "
         f"validation rows within {TOLERANCE_PCT:.0f}%; no fitted factor. Every mode is charged "
         "the same way: each part of a collective once (its transport at its own profiled "
         "device time, the cast, FSDP2's copy-in / copy-out / chunk_cat, TIDE-RS's "
         "accumulate), slowed and slowing compute as measured for its engine and the model's "
-        f"compute classes ({', '.join(kinds)}: the interference table says which is which). "
-        "TIDE runs the schedule of torchtitan_tide/comm/schedule.py: "
-        f"'{tide_schedule.CURRENT.name}' (the code today); rows marked modeled run the other "
-        "one or the one-sided / bf16-wire options. Links (NV18, NIC, NCCL latency and "
-        "channels) are modeled from named figures (the assumptions table). The in-step "
+        f"compute classes ({', '.join(kinds)}: the interference table says which is which; "
+        "concurrent engines add up), layout kernels slowed as compute is. TIDE is the op plan "
+        "the code runs (comm/window_rounds.py on NCCL windows, comm/plan.py on the copy engine "
+        "and send/recv: simulator/plans.py), on the transport `auto` takes on the row's NCCL; "
+        "every op charged by its type (puts across nodes on one NIC per GPU shared by every "
+        "stream, FIFO per communicator; puts in the node on NVLink; placement and pack as "
+        "local HBM copies). In place only where the plan runs in place (one rank per node "
+        "today). Links (NV18, NIC, NCCL latency and channels) are modeled from named figures "
+        "(the assumptions table). The in-step "
         "columns: the same rows with the model's kernels at the level measured in a profiled "
         "one-rank step on one GPU (inputs.in_step_compute; not the rows' verdict). Rows "
         "lacking a GPU input (world-1 trace or trainer breakdown): "
         f"{', '.join(lacking) or 'none'}. "
         "Every input's source: each validation row's `sources` and `measured_source`, the "
         f"JSON's `inputs` (per reference config). symm_mem on NCCL {NCCL_NEW} is modeled from "
-        "release notes. Picture: llama70b_fsdp2 at 64 GPUs, one simulated step per mode.\n"
+        f"release notes. Picture: llama70b_fsdp2 at 64 GPUs on NCCL {NCCL_NEW}, one simulated "
+        "step per mode.\n"
     )
     paths = {"markdown": str(stem) + ".md", "json": str(stem) + ".json"}
     common.write_result(stem, result, "Step simulation per comm mode", notes)
-    if draw_streams(Path(str(stem) + ".png"), "llama70b_fsdp2", 64, cluster, results_dir):
+    new = replace(cluster, nccl_version=NCCL_NEW)
+    if draw_streams(Path(str(stem) + ".png"), "llama70b_fsdp2", 64, new, results_dir):
         paths["png"] = str(stem) + ".png"
     return paths
 
 
-STREAM_ROWS = ("compute", "ag_in", "nccl", "tide", "tide_put", "rs_local", "rs_net")
+STREAM_ROWS = (
+    "compute",
+    "ag_in",
+    "nccl",
+    "tide",
+    "tide_one_sided",
+    "tide_place",
+    "tide_rs_cross",
+    "nccl_p2p",
+)
 COLORS = {"compute": "#4c72b0", "layout": "#dd8452", "optimizer": "#55a868", "host": "#bbbbbb",
-          "nccl": "#c44e52", "nccl_symk": "#8c2d2d", "ce": "#8172b3", "nic": "#d8c3a5",
+          "nccl": "#c44e52", "nccl_symk": "#8c2d2d", "ce": "#8172b3", "ce_local": "#da8bc3",
+          "nic": "#d8c3a5",
           "sm_ag": "#555555", "sm_rs": "#000000"}  # fmt: skip
 
 
@@ -619,7 +779,9 @@ def draw_streams(path: Path, config: str, gpus: int, cluster: Cluster, results_d
     handles = [Patch(color=c, label=k) for k, c in COLORS.items()]
     handles.append(Patch(facecolor="none", edgecolor="red", hatch="////", label="exposed comm"))
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8)
-    fig.suptitle(f"SIMULATION: {config} at {gpus} GPUs ({cluster.name}), one step per comm mode",
+    fig.suptitle(f"SIMULATION: {config} at {gpus} GPUs ({cluster.gpus_per_node} per node, "
+                 f"{cluster.nic_gbps_per_gpu:.0f} Gb/s per GPU, NCCL {cluster.nccl_version}), "
+                 "one step per comm mode",
                  x=0.01, ha="left", fontsize=11)  # fmt: skip
     fig.tight_layout(rect=(0, 0.04, 1, 0.96))
     fig.savefig(path, dpi=110)

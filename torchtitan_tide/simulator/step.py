@@ -10,41 +10,36 @@ and grad-norm clip after the last reduce-scatter; the trainer's per-step host ti
 Every mode is charged the same way: each part of a collective once, at the rate of its
 own engine measured alone (``inputs.transport_gibps``, ``sm_ns``, ``layout_ns``), slowed
 and slowing compute as measured for its engine (``inputs.engines``, op kinds of
-``interference.ENGINES``): the fp32 -> bf16 cast of every all-gather and FSDP2's copy-in
-(``sm_ag``, on FSDP2's copy-in stream ``ag_in``, or TIDE's stream), NCCL's kernels
-(``nccl`` / ``nccl_symk`` on the communicator's stream ``nccl``), the copy engine
-(``ce``), one-sided puts across nodes (``nic``), TIDE-RS's accumulate kernels
-(``sm_rs``). FSDP2's copy-out and chunk_cat run on the compute stream (layout).
+``interference.ENGINES``; concurrent engines' fractions add up), its bytes over a shared
+link (one NIC per GPU, NVLink, HBM for local copies). FSDP2's copy-out and chunk_cat run
+on the compute stream (layout kernels, slowed beside the engines as compute is).
 
-TIDE runs the schedule of ``torchtitan_tide.comm.schedule`` (``TideModel.schedule``,
-default: the one the code runs, ``schedule.CURRENT``, read at each call): serial (pack,
-cross-node, node-local, placement one after the other on TIDE's stream ``tide``) or
-pipelined (puts in waves on ``tide_put``, each wave's fan-out and placement on ``tide``
-overlapping the next wave's puts). TIDE-RS phase 1 runs on ``tide`` under ``slot_reuse`` (else ``rs_local``), phase 2
-on ``rs_net``, at most ``[tide] rs_inflight`` partials ahead. symm_mem's hierarchical
-collectives (NCCL >= 2.30.7) run their two phases pipelined inside one collective: the
-longer phase (an upper bound on the baseline). Links: ``network`` (alpha-beta, NIC cap,
-NV18).
+TIDE is not modeled by hand: ``plans.Timeline`` runs the op plans the code runs
+(``comm/window_rounds.py`` on NCCL windows; the plans of ``comm/plan.py`` as the copy-engine
+and send/recv transports run them) for the layout, and each op is charged here by what
+it is (:meth:`_Builder.charge`). Which transport runs is what ``[tide] ag_transport`` and
+``cross_node_transport`` take on the cluster's NCCL (:func:`tide_run`, ``auto`` as
+``comm/topology.choose_transport`` decides it). symm_mem's hierarchical collectives (NCCL
+>= 2.30.7) run their two phases pipelined inside one collective: the longer phase (an
+upper bound on the baseline). Links: ``network``.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from torchtitan_tide.comm import schedule as tide_schedule
 from torchtitan_tide.comm.memory_plan import GroupShape, group_shard_numel
 from torchtitan_tide.comm.options import RS_WIRE_ITEMSIZE
-from torchtitan_tide.comm.schedule import TideSchedule
-from torchtitan_tide.simulator.cluster import GIB, Cluster
+from torchtitan_tide.comm.plan import WorldLayout
+from torchtitan_tide.simulator.cluster import GIB, Cluster, nccl_tuple
 from torchtitan_tide.simulator.engine import (
     COMPUTE,
     Op,
     Span,
     idle_and_comm,
     intersect_length,
+    merge,
     simulate,
     summarize,
 )
@@ -57,86 +52,130 @@ from torchtitan_tide.simulator.inputs import (
     Workload,
     build_inputs,
 )
-from torchtitan_tide.simulator.interference import CE, NCCL, NCCL_SYMK, NIC, SM_AG, SM_RS
+from torchtitan_tide.simulator.interference import (
+    CE,
+    CE_LOCAL,
+    NCCL,
+    NCCL_SYMK,
+    NIC,
+    SM_AG,
+)
 from torchtitan_tide.simulator.network import (
+    NCCL_BASE_US,
     NET_STEP_US,
     NVLINK_STEP_US,
     Layout,
-    ag_waves,
-    cross_node_steps,
     message_ms,
+    nic_gibps,
     node_local_gibps,
+    nvlink_gibps,
     ring_ms,
 )
+from torchtitan_tide.simulator.plans import (
+    TideModel,
+    TideRun,
+    Timeline,
+    Work,
+    in_place_at,
+)
 
-__all__ = ["Layout", "TideModel", "build_ops", "simulate_config", "simulate_step"]
+__all__ = ["Layout", "TideModel", "build_ops", "simulate_config", "simulate_step", "tide_run"]
 
-CROSS_NODE = ("p2p", "one_sided")
+WINDOWS_NCCL = (2, 29, 0)  # one-sided puts and host RMA (comm/window_setup.py's probe)
 SM_AG_PATH = {"fsdp2": f"{SM_AG}:fsdp2", "symm_mem": f"{SM_AG}:symm_mem"}
-
-
-@dataclass(frozen=True)
-class TideModel:
-    """How the model runs TIDE: ``[tide]`` keys of the config, the cross-node options and
-    the schedule. ``rs_wire_bytes``: bytes per element of TIDE-RS's cross-node partials
-    (4: fp32; 2: bf16); ``cross_node``: ``p2p`` (NCCL send/recv kernels on SMs) or
-    ``one_sided`` (``[tide] cross_node_transport = "nccl_one_sided"``: puts, no SM;
-    TIDE-AG takes it for the layouts ``schedule`` says); ``ag_pacing``: entries per wave
-    of the pipelined schedule's puts (0: one wave per step). Modeled at scale, not
-    measured."""
-
-    rs_inflight: int = 2
-    rs_rows: int = 2
-    on_tide_stream: bool = True
-    rs_wire_bytes: int = 4
-    cross_node: str = "p2p"
-    ag_pacing: int = 0
-    schedule: TideSchedule = field(default_factory=lambda: tide_schedule.CURRENT)
-
-    def __post_init__(self) -> None:
-        if self.cross_node not in CROSS_NODE:
-            raise SimulateError(f"cross_node {self.cross_node!r}: choose from {CROSS_NODE}")
-        if self.rs_wire_bytes not in (2, 4):
-            raise SimulateError(f"rs_wire_bytes {self.rs_wire_bytes}: 2 (bf16) or 4 (fp32)")
 
 
 def tide_model_of(
     tide: Any,
     rs_wire_bytes: int | None = None,
     cross_node: str | None = None,
-    schedule: TideSchedule | None = None,
+    transport: str | None = None,
 ) -> TideModel:
-    """The :class:`TideModel` of a config's validated ``[tide]`` section: the node-local
-    RS phase runs on TIDE-AG's stream under ``slot_reuse``; ``rs_wire_bytes`` (None: the
-    config's ``rs_wire_dtype``); ``cross_node`` (None: the config's
-    ``cross_node_transport``, where ``nccl_one_sided`` is ``one_sided`` and ``auto`` is
-    ``p2p``: one-sided needs host RMA the simulator cannot see); ``schedule`` (None: the
-    one the code runs)."""
+    """The :class:`TideModel` of a config's validated ``[tide]`` section, with the wire
+    (``rs_wire_bytes``), ``cross_node_transport`` (``cross_node``) and ``ag_transport``
+    (``transport``) replaced where given."""
     if rs_wire_bytes is None:
         rs_wire_bytes = RS_WIRE_ITEMSIZE[getattr(tide, "rs_wire_dtype", "float32")]
-    if cross_node is None:
-        chosen = getattr(tide, "cross_node_transport", "p2p")
-        cross_node = "one_sided" if chosen == "nccl_one_sided" else "p2p"
     return TideModel(
+        ag_transport=transport or getattr(tide, "ag_transport", "auto"),
+        cross_node_transport=cross_node or getattr(tide, "cross_node_transport", "auto"),
         rs_inflight=int(tide.rs_inflight),
         rs_rows=int(tide.rs_rows),
-        on_tide_stream=bool(tide.slot_reuse),
+        slot_reuse=bool(tide.slot_reuse),
         rs_wire_bytes=rs_wire_bytes,
-        cross_node=cross_node,
         ag_pacing=int(getattr(tide, "ag_pacing", 0)),
-        schedule=schedule or tide_schedule.CURRENT,
+        ag_in_place_groups=int(getattr(tide, "ag_in_place_groups", 4)),
     )
 
 
-def accumulate_bytes(shard: int, lay: Layout, tide: TideModel, grad_bytes: int) -> tuple[int, int]:
-    """(phase 1, phase 2) bytes read + written by TIDE-RS's accumulate kernels for one
-    group and rank (``plan.rs_schedule``): phase 1 sums, for each of the N chunks, the L
-    bf16 rows in windows of ``rs_rows`` into fp32 (each window after the first reads the
-    fp32 target again); phase 2 adds each of the N-1 received partials (wire dtype) into
-    the fp32 output (read and write)."""
-    windows = math.ceil(lay.local / min(tide.rs_rows, lay.local))
-    per_chunk = lay.local * grad_bytes + 4 * windows + 4 * (windows - 1)
-    return lay.nodes * shard * per_chunk, (lay.nodes - 1) * shard * (tide.rs_wire_bytes + 8)
+def tide_run(model: TideModel, cluster: Cluster, lay: Layout, dtypes: Any) -> TideRun:
+    """What the code runs for ``model`` on ``cluster`` at ``lay`` (``topology.choose_transport``
+    and ``install``'s phase-2 choice, without torch): NCCL windows where forced, or under
+    ``auto`` across nodes unless ``cross_node_transport = "p2p"``, where the cluster's NCCL
+    has one-sided puts (>= 2.29; host RMA between the nodes assumed, as on IB / RoCE); else
+    the copy engine between the GPUs of a node (one GPU per rank, CUDA P2P) with send/recv
+    across nodes; else send/recv. TIDE-RS phase 2 runs on NCCL's one-sided ring wherever the
+    windows could (auto) and send/recv otherwise. A forced option that cannot run is a
+    :class:`SimulateError` naming it, as the code's is a ``ValueError``."""
+    windows_ok = nccl_tuple(cluster.nccl_version) >= WINDOWS_NCCL
+    multi = lay.nodes > 1
+    forced, cross = model.ag_transport, model.cross_node_transport
+    why = f"NCCL {cluster.nccl_version} has no one-sided puts (NCCL >= 2.29)"
+    if forced == "nccl_windows":
+        if not windows_ok:
+            raise SimulateError(f"[tide] ag_transport = 'nccl_windows' cannot run: {why}")
+        if multi and cross == "p2p":
+            raise SimulateError("[tide] ag_transport = 'nccl_windows' with cross_node_transport "
+                                "= 'p2p': set one of them to 'auto'")  # fmt: skip
+        transport = "windows"
+    elif forced == "copy_engine":
+        transport = "copy_engine"
+    elif forced in ("nccl_p2p", "gloo"):
+        transport = "p2p"
+    elif multi and cross != "p2p" and windows_ok:
+        transport = "windows"
+    else:
+        transport = "copy_engine" if lay.local > 1 else "p2p"
+    if multi and cross == "nccl_one_sided" and not windows_ok:
+        raise SimulateError(f"[tide] cross_node_transport = 'nccl_one_sided' cannot run: {why}")
+    return TideRun(transport, multi and cross != "p2p" and windows_ok, model,
+                   dtypes.param_bytes, dtypes.grad)  # fmt: skip
+
+
+class _Replay:
+    """A :class:`plans.Timeline`'s answers recorded in call order: a step of the same
+    groups, layout and run issues the same calls (names are deterministic), so the plan
+    work is built once per (groups, layout, run, mode) and replayed for every variant
+    charged differently (inputs, cluster rates)."""
+
+    def __init__(self, timeline: Timeline) -> None:
+        self.timeline, self.answers, self.next = timeline, [], 0
+
+    def call(self, method: str, *args) -> tuple[list[Work], tuple[str, ...]]:
+        if self.next < len(self.answers):
+            key, answer = self.answers[self.next]
+            if key != (method, args):
+                raise SimulateError(f"plan replay out of order: {key} != {(method, args)}")
+        else:
+            answer = getattr(self.timeline, method)(*args)
+            self.answers.append(((method, args), answer))
+        self.next += 1
+        return answer
+
+
+_TIMELINES: dict[tuple, _Replay] = {}
+
+
+def _timeline(groups: tuple, lay: Layout, run: TideRun, mode: str) -> _Replay:
+    key = (groups, lay, run, mode)
+    replay = _TIMELINES.get(key)
+    if replay is None:
+        if len(_TIMELINES) >= 32:
+            _TIMELINES.pop(next(iter(_TIMELINES)))
+        replay = _TIMELINES[key] = _Replay(Timeline(WorldLayout(lay.world, lay.local), run,
+                                                    groups))  # fmt: skip
+    replay.next = 0
+    return replay
 
 
 def _gib_ms(nbytes: float, gibps: float) -> float:
@@ -147,23 +186,29 @@ class _Builder:
     """The ops of one step of one mode, added in issue order."""
 
     def __init__(self, inputs: Inputs, mode: str, lay: Layout, cluster: Cluster, dtypes: Any,
-                 tide: TideModel) -> None:  # fmt: skip
+                 tide: TideModel, groups: Sequence[GroupShape]) -> None:  # fmt: skip
         self.inputs, self.mode, self.lay, self.cluster = inputs, mode, lay, cluster
         self.dtypes, self.tide = dtypes, tide
-        self.net = cluster.net_gibps
+        self.nic = nic_gibps(cluster.net_gibps)
         self.rate = inputs.transport_gibps.get(mode, {})
         self.ops: list[Op] = []
         self.compute_slow = {e: f for e, (f, _) in inputs.engines.items() if ":" not in e}
+        self.timeline = None
+        if mode in ("tide", "tide_ag") and lay.world > 1:
+            run = tide_run(tide, cluster, lay, dtypes)
+            self.timeline = _timeline(tuple(groups), lay, run, mode)
 
-    def add(self, name, stream, ms, kind, after=(), issued_with=(), group="", stretch=None):
-        """One op; compute ops slow beside every engine, an engine's op beside compute."""
+    def add(self, name, stream, ms, kind, after=(), issued_with=(), group="", stretch=None,
+            link="", flow="", priority=0):  # fmt: skip
+        """One op; compute and layout kernels slow beside every engine, an engine's op
+        beside compute."""
         if stream == COMPUTE:
-            slow = self.compute_slow if kind == "compute" else {}
+            slow = self.compute_slow if kind in ("compute", "layout") else {}
         else:
             g = self.inputs.engines.get(kind, (0.0, 0.0))[1] if stretch is None else stretch
             slow = {"compute": g}
         self.ops.append(Op(name, stream, max(0.0, ms), kind, tuple(after), tuple(issued_with),
-                           slow, group))  # fmt: skip
+                           slow, group, link=link, flow=flow, priority=priority))  # fmt: skip
         return name
 
     def sm_ag(self, name, stream, ms, issued_with, group, after=()):
@@ -172,90 +217,81 @@ class _Builder:
         stretch = self.inputs.engines.get(key, self.inputs.engines.get(SM_AG, (0.0, 0.0)))[1]
         return self.add(name, stream, ms, SM_AG, after, issued_with, group, stretch)
 
+    # ---- TIDE's work, charged by what it is (plans.Work)
+    def charge(self, works: Sequence[Work]) -> None:
+        """Each :class:`plans.Work` as an op: its time alone on its link and engine."""
+        ins, tide_rates = self.inputs, self.inputs.transport_gibps["tide"]
+        nvlink = node_local_gibps(ins.transport_gibps["symm_mem"]["ag"])  # NCCL's CE copy
+        for w in works:
+            ms, kind = 0.0, w.engine or "issue"
+            if w.what in ("Cast", "PackOwn"):  # bf16 out: the cast of nbytes / 2 elements
+                ms = ins.sm_ns.get("tide", {}).get("cast", 0.0) * (w.nbytes / 2) / 1e6
+            elif w.what == "Accumulate":
+                ms = _gib_ms(w.nbytes, ins.accumulate_gibps)
+            elif w.what == "SendRecv":
+                rate = self.nic if w.link == "nic" else nvlink
+                ms = (NCCL_BASE_US + NET_STEP_US) / 1e3 + _gib_ms(w.nbytes, rate)
+            elif w.what == "Put":
+                rate, step = (
+                    (self.nic, NET_STEP_US) if w.engine == NIC else (nvlink, NVLINK_STEP_US)
+                )
+                ms = step / 1e3 + _gib_ms(w.nbytes, rate)
+            elif w.what in ("Pull", "Push"):  # the copy engine's measured batch (own + peer)
+                batch = 2 * tide_rates["ag" if w.what == "Pull" else "rs"]
+                ms = NVLINK_STEP_US / 1e3 + max(_gib_ms(w.nbytes, batch),
+                                                _gib_ms(w.link_bytes, nvlink_gibps()))  # fmt: skip
+            elif w.engine == CE_LOCAL:
+                ms = NVLINK_STEP_US / 1e3 + _gib_ms(w.nbytes, ins.copy_gibps)
+            elif w.what != "Issue":
+                raise SimulateError(f"no charge for {w.what!r} ({w.name})")
+            if kind == SM_AG:
+                self.sm_ag(w.name, w.stream, ms, w.issued_with, w.group, w.after)
+                continue
+            self.add(w.name, w.stream, ms, kind, w.after, w.issued_with, w.group, link=w.link,
+                     flow=w.flow, priority=w.priority)  # fmt: skip
+
     # ---- all-gather
-    def gather(self, g: GroupShape, tag: str, issued_with: Sequence[str]) -> str:
-        """The all-gather of ``g``; returns the op its consumer waits for."""
+    def gather(self, g: GroupShape, tag: str, issued_with: Sequence[str]) -> tuple[str, ...]:
+        """The all-gather of ``g``; returns the ops its consumer waits for."""
         s = group_shard_numel(g, self.lay.world)
         b = s * self.dtypes.param_bytes
         name = f"{g.name}.{tag}.ag"
+        if self.timeline is not None:
+            works, done = self.timeline.call("all_gather", g, tag, tuple(issued_with))
+            self.charge(works)
+            return done
         sm = self.inputs.sm_ns.get(self.mode, {})
         cast = sm.get("cast", 0.0) * s / 1e6
-        if self.mode in ("tide", "tide_ag"):
-            pack = self.sm_ag(f"{name}_pack", "tide", cast, issued_with, g.name)
-            return self.tide_gather(name, s, b, pack, g.name)
         copy_in = self.inputs.layout_ns.get(self.mode, {}).get("copy_in", 0.0) * s / 1e6
         ready = self.sm_ag(f"{name}_in", "ag_in", cast + copy_in, issued_with, g.name)
         lay, hier = self.lay, self.cluster.hierarchical_ag
+        net = {"link": "nic", "flow": "nccl"} if lay.nodes > 1 else {}
         if self.mode == "symm_mem" and lay.nodes > 1 and hier:  # NCCL >= 2.30.7
-            cross = message_ms((lay.nodes - 1) * b, self.net, lay.nodes - 1, NET_STEP_US)
+            cross = message_ms((lay.nodes - 1) * b, self.nic, lay.nodes - 1, NET_STEP_US)
             local = message_ms((lay.local - 1) * lay.nodes * b,
                                node_local_gibps(self.rate["ag"]), 1, NVLINK_STEP_US)  # fmt: skip
-            return self.add(name, "nccl", max(cross, local), CE, [ready], group=g.name)
+            return (self.add(name, "nccl", max(cross, local), CE, [ready], group=g.name, **net),)
         if self.mode == "symm_mem" and lay.nodes == 1:  # zero-CTA: the copy engine
             ms = message_ms((lay.world - 1) * b, node_local_gibps(self.rate["ag"]), 1,
                             NVLINK_STEP_US)  # fmt: skip
-            return self.add(name, "nccl", ms, CE, [ready], group=g.name)
+            return (self.add(name, "nccl", ms, CE, [ready], group=g.name),)
         ring = self.inputs.transport_gibps["fsdp2"]["ag"]  # symm_mem 2.28.9 across nodes too
-        return self.add(name, "nccl", ring_ms(b, lay, ring, self.net), NCCL, [ready],
-                        group=g.name)  # fmt: skip
+        return (self.add(name, "nccl", ring_ms(b, lay, ring, self.nic), NCCL, [ready],
+                         group=g.name, **net),)  # fmt: skip
 
-    def cross_kind(self) -> str:
-        """TIDE-AG's cross-node engine: one-sided puts (no SM) or NCCL send/recv kernels."""
-        schedule, lay = self.tide.schedule, self.lay
-        one_sided = self.tide.cross_node == "one_sided"
-        return NIC if one_sided and (schedule.ag_one_sided_any_layout or lay.local == 1) else NCCL
-
-    def tide_gather(self, name: str, s: int, b: float, pack: str, group: str) -> str:
-        """TIDE-AG after its pack, as ``self.tide.schedule`` says."""
-        lay, schedule = self.lay, self.tide.schedule
-        local_gibps = node_local_gibps(self.rate["ag"])
-        copy = self.inputs.copy_gibps
-        if lay.nodes == 1:
-            ms = message_ms((lay.local - 1) * b, local_gibps, 1, NVLINK_STEP_US)
-            return self.add(name, "tide", ms, CE, [pack], group=group)
-        kind = self.cross_kind()
-        place = schedule.ag_place_after_one_sided and kind == NIC
-        if not schedule.ag_waves_pipelined:
-            steps = cross_node_steps(lay.nodes)
-            cross = message_ms((lay.nodes - 1) * b, self.net, steps, NET_STEP_US)
-            last = self.add(f"{name}_net", "tide", cross, kind, [pack], group=group)
-            if lay.local > 1:
-                ms = message_ms((lay.local - 1) * lay.nodes * b, local_gibps, 1, NVLINK_STEP_US)
-                last = self.add(f"{name}_local", "tide", ms, CE, [last], group=group)
-            if place:
-                last = self.add(f"{name}_place", "tide", _gib_ms(lay.world * b, copy), CE,
-                                [last], group=group)  # fmt: skip
-            return self.add(name, "tide", 0.0, CE, [last], group=group)
-        # pipelined: wave k's puts on the put stream; its fan-out and placement on TIDE's
-        # stream, overlapping wave k+1's puts (the own entry goes first, no put)
-        last, put = pack, pack
-        for k, entries in enumerate([1, *ag_waves(lay.nodes, self.tide.ag_pacing)]):
-            arrived = pack
-            if k:
-                put = self.add(f"{name}_put{k}", "tide_put", message_ms(
-                    entries * b, self.net, 1, NET_STEP_US), kind, [put], group=group)  # fmt: skip
-                arrived = put
-            fan = message_ms((lay.local - 1) * entries * b, local_gibps, 1 if lay.local > 1 else 0,
-                             NVLINK_STEP_US)  # fmt: skip
-            last = self.add(f"{name}_fan{k}", "tide", fan, CE, [arrived, last], group=group)
-            if place:
-                ms = _gib_ms(lay.local * entries * b, copy)
-                last = self.add(f"{name}_place{k}", "tide", ms, CE, [last], group=group)
-        return self.add(name, "tide", 0.0, CE, [last], group=group)
-
-    def consume(self, g: GroupShape, ag: str | None, tag: str) -> list[str]:
+    def consume(self, g: GroupShape, ag: tuple[str, ...] | None, tag: str) -> list[str]:
         """What ``g``'s compute waits for: its all-gather, then the copy-out on the
         compute stream (queued at the consumer's pre-forward / pre-backward)."""
         if ag is None:
             return []
         copy_out = self.inputs.layout_ns.get(self.mode, {}).get("copy_out", 0.0) * g.numel / 1e6
         if not copy_out:
-            return [ag]
-        return [self.add(f"{g.name}.{tag}.copy_out", COMPUTE, copy_out, "layout", [ag],
+            return list(ag)
+        return [self.add(f"{g.name}.{tag}.copy_out", COMPUTE, copy_out, "layout", ag,
                          group=g.name)]  # fmt: skip
 
     # ---- reduce-scatter
-    def reduce_stock(self, g: GroupShape, src: str) -> str:
+    def reduce_stock(self, g: GroupShape, src: str) -> tuple[str, ...]:
         """NCCL's reduce-scatter on the communicator's stream: the ring, or symm_mem's
         symmetric kernel (one node; its divide after it), NCCL's ring across nodes on NCCL
         2.28.9, the hierarchical symmetric kernel on NCCL >= 2.30.7 (its two phases
@@ -266,46 +302,23 @@ class _Builder:
         divide = self.inputs.sm_ns.get(self.mode, {}).get("divide", 0.0) * s / 1e6
         ring = self.inputs.transport_gibps["fsdp2"]["rs"]
         if self.mode != "symm_mem":
-            ms, kind = ring_ms(b, lay, ring, self.net), NCCL
+            ms, kind = ring_ms(b, lay, ring, self.nic), NCCL
         elif lay.nodes == 1:
-            ms, kind = ring_ms(b, lay, self.rate["rs"], self.net) + divide, NCCL_SYMK
+            ms, kind = ring_ms(b, lay, self.rate["rs"], self.nic) + divide, NCCL_SYMK
         elif self.cluster.hierarchical_rs:
-            cross = message_ms((lay.nodes - 1) * b, self.net, lay.nodes - 1, NET_STEP_US)
+            cross = message_ms((lay.nodes - 1) * b, self.nic, lay.nodes - 1, NET_STEP_US)
             local = message_ms((lay.local - 1) * lay.nodes * b, ring, 1, NVLINK_STEP_US)
             ms, kind = max(cross, local) + divide, NCCL_SYMK
         else:
-            ms, kind = ring_ms(b, lay, ring, self.net) + divide, NCCL
-        return self.add(f"{g.name}.rs", "nccl", ms, kind, [src], group=g.name)
+            ms, kind = ring_ms(b, lay, ring, self.nic) + divide, NCCL
+        net = {"link": "nic", "flow": "nccl"} if lay.nodes > 1 else {}
+        return (self.add(f"{g.name}.rs", "nccl", ms, kind, [src], group=g.name, **net),)
 
-    def reduce_tide(self, g: GroupShape, src: str, rs_net: list[str]) -> str:
-        """TIDE-RS: phase 1 ([pack,] pushes, then the accumulate kernels the stream
-        waits for), phase 2 (partials over the network, then their accumulate kernels)."""
-        lay, tide = self.lay, self.tide
-        s = group_shard_numel(g, lay.world)
-        stream = "tide" if tide.on_tide_stream else "rs_local"
-        acc1, acc2 = accumulate_bytes(s, lay, tide, self.dtypes.grad)
-        window = [rs_net[-tide.rs_inflight]] if len(rs_net) >= tide.rs_inflight else []
-        sent = (lay.local - 1) * lay.nodes * s * self.dtypes.grad
-        after = [src, *window]
-        if tide.schedule.rs_pack and sent:
-            after = [self.add(f"{g.name}.rs_pack", stream, _gib_ms(sent, self.inputs.copy_gibps),
-                              CE, after, group=g.name)]  # fmt: skip
-        push = message_ms(sent, node_local_gibps(self.rate["rs"]), 1 if sent else 0,
-                          NVLINK_STEP_US)  # fmt: skip
-        self.add(f"{g.name}.rs", stream, push, CE, after, group=g.name)
-        local = self.add(f"{g.name}.rs_acc", stream, self.accumulate_ms(acc1), SM_RS, group=g.name)
-        if lay.nodes == 1:
-            return local
-        kind = NIC if tide.cross_node == "one_sided" else NCCL
-        cross = message_ms((lay.nodes - 1) * s * tide.rs_wire_bytes, self.net, lay.nodes - 1,
-                           NET_STEP_US)  # fmt: skip
-        self.add(f"{g.name}.rs_net", "rs_net", cross, kind, [local], group=g.name)
-        rs_net.append(self.add(f"{g.name}.rs_net_acc", "rs_net", self.accumulate_ms(acc2), SM_RS,
-                               group=g.name))  # fmt: skip
-        return rs_net[-1]
-
-    def accumulate_ms(self, nbytes: float) -> float:
-        return _gib_ms(nbytes, self.inputs.accumulate_gibps)
+    def reduce_tide(self, g: GroupShape, src: str) -> tuple[str, ...]:
+        """TIDE-RS as the code runs it (``plans.Timeline.reduce``)."""
+        works, done = self.timeline.call("reduce", g, (src,))
+        self.charge(works)
+        return done
 
 
 def build_ops(
@@ -315,17 +328,18 @@ def build_ops(
     lay: Layout,
     cluster: Cluster,
     dtypes: Any,
-    tide: TideModel = TideModel(),
+    tide: TideModel | None = None,
 ) -> list[Op]:
     """The ops of one step of ``mode`` (see the module docstring), in issue order."""
     if mode not in MODES:
         raise SimulateError(f"mode {mode!r}: choose from {MODES}")
+    tide = tide or TideModel()
     comm = lay.world > 1
-    bld = _Builder(inputs, mode, lay, cluster, dtypes, tide)
+    bld = _Builder(inputs, mode, lay, cluster, dtypes, tide, groups)
     names = [g.name for g in groups]
     comp = {g.name: inputs.compute.get(g.name, GroupCompute(0.0, 0.0)) for g in groups}
 
-    def gather(g: GroupShape, tag: str, issued_with: Sequence[str]) -> str | None:
+    def gather(g: GroupShape, tag: str, issued_with: Sequence[str]) -> tuple[str, ...] | None:
         return bld.gather(g, tag, issued_with) if comm else None
 
     # forward: group i+1's all-gather is issued as group i's forward starts
@@ -342,11 +356,10 @@ def build_ops(
     # starts (queued on the stream before j's reduce-scatter); groups kept unsharded
     # after forward wait for their forward gather only
     order = list(reversed(groups))
-    bwd_ag: dict[str, str | None] = {g.name: None for g in groups}
+    bwd_ag: dict[str, tuple[str, ...] | None] = {g.name: None for g in groups}
     if order[0].reshard_after_forward:
         bwd_ag[order[0].name] = gather(order[0], "bwd", [loss])
     rs_done: list[str] = []
-    rs_net: list[str] = []
     for k, g in enumerate(order):
         after = bld.consume(g, bwd_ag[g.name], "bwd") if g.reshard_after_forward else []
         bwd = bld.add(f"{g.name}.bwd", COMPUTE, comp[g.name].bwd_ms, "compute", after,
@@ -359,9 +372,9 @@ def build_ops(
         src = bld.add(f"{g.name}.chunk_cat", COMPUTE, chunk, "layout", [bwd], group=g.name) \
             if chunk else bwd  # fmt: skip
         if mode == "tide":
-            rs_done.append(bld.reduce_tide(g, src, rs_net))
+            rs_done += bld.reduce_tide(g, src)
         else:
-            rs_done.append(bld.reduce_stock(g, src))
+            rs_done += bld.reduce_stock(g, src)
     shard = sum(group_shard_numel(g, lay.world) if comm else g.numel for g in groups)
     bld.add("optimizer", COMPUTE, inputs.optimizer_ms_per_shard_elem * shard, "optimizer",
             rs_done)  # fmt: skip
@@ -372,7 +385,10 @@ def build_ops(
 def breakdown(spans: Sequence[Span]) -> dict[str, float]:
     """The step split into compute (alone), SM time taken from compute, layout copies,
     optimizer, host, and communication the compute stream waited on, in the forward (up
-    to the first backward op), the backward (to the last compute op) and the tail."""
+    to the first backward op), the backward (to the last compute op) and the tail (these
+    add up to the step); besides, off the compute stream: ``bd_local_copies_ms`` (device
+    ms of local HBM copies: TIDE's placement and packing) and ``bd_nic_busy_ms`` (the
+    NIC carrying bytes)."""
     by_name = {s.op.name: s for s in spans}
     on_compute = [s for s in spans if s.op.stream == COMPUTE]
     work = [s for s in on_compute if s.op.kind == "compute"]
@@ -397,11 +413,15 @@ def breakdown(spans: Sequence[Span]) -> dict[str, float]:
         "bd_exposed_fwd_ms": exposed(0.0, bwd_start),
         "bd_exposed_bwd_ms": exposed(bwd_start, last),
         "bd_exposed_tail_ms": exposed(last, step),
+        "bd_local_copies_ms": sum(s.end_ms - s.start_ms for s in spans if s.op.kind == CE_LOCAL),
+        "bd_nic_busy_ms": sum(
+            b - a for a, b in merge((s.start_ms, s.end_ms) for s in spans if s.op.link == "nic")
+        ),
     }
 
 
 def simulate_step(
-    groups, inputs, mode, lay, cluster, dtypes, tide: TideModel = TideModel()
+    groups, inputs, mode, lay, cluster, dtypes, tide: TideModel | None = None
 ) -> tuple[dict, list[Span]]:
     """(summary figures and breakdown, spans) of one simulated step."""
     spans = simulate(build_ops(groups, inputs, mode, lay, cluster, dtypes, tide))
@@ -433,25 +453,27 @@ def simulate_config(
     inputs: Inputs | None = None,
     rs_wire_bytes: int | None = None,
     cross_node: str | None = None,
-    schedule: TideSchedule | None = None,
+    transport: str | None = None,
     workload: Workload | None = None,
 ) -> dict[str, Any]:
     """Rows (one per mode), spans per mode, the inputs and the config model of ``config``
-    at ``gpus``. Each row carries what the report needs: the cluster's NCCL, the TIDE
-    options and schedule, every input's source (``sources``)."""
+    at ``gpus``. ``rs_wire_bytes`` / ``cross_node`` / ``transport``: ``[tide]
+    rs_wire_dtype`` / ``cross_node_transport`` / ``ag_transport`` other than the config's.
+    Each row carries what the report needs: the cluster's NCCL, what TIDE runs there
+    (transport, phase 2, in place), every input's source (``sources``)."""
     from torchtitan_tide.fsdp_groups import load_config_model
 
     cm = cm or load_config_model(config)
     inputs = inputs or build_inputs(cm, results_dir, trace, mfu, world1=gpus == 1,
                                     workload=workload)  # fmt: skip
     lay = layout_for(cm, gpus, cluster)
-    tide = tide_model_of(cm.tide, rs_wire_bytes, cross_node, schedule)
+    tide = tide_model_of(cm.tide, rs_wire_bytes, cross_node, transport)
     rows, spans = [], {}
     for mode in modes:
         fig, sp = simulate_step(cm.groups, inputs, mode, lay, cluster, cm.dtypes, tide)
         rows.append({"config": cm.path.stem, "gpus": gpus, "nodes": lay.nodes, "mode": mode,
                      "nccl": cluster.nccl_version, "rs_wire_bytes": tide.rs_wire_bytes,
-                     "cross_node": tide.cross_node, "schedule": tide.schedule.name,
+                     **_tide_columns(mode, tide, cluster, lay, cm.dtypes),
                      "mode_note": _note(mode, cluster, lay),
                      **{f"sim_{k}": v for k, v in fig.items()}})  # fmt: skip
         spans[mode] = sp
@@ -460,7 +482,21 @@ def simulate_config(
         if base:
             row["sim_speedup_vs_fsdp2"] = base["sim_step_ms"] / row["sim_step_ms"]
     return {"rows": rows, "spans": spans, "inputs": inputs, "cm": cm, "sources": inputs.sources,
-            "rs_wire_bytes": tide.rs_wire_bytes, "schedule": tide.schedule.name}  # fmt: skip
+            "rs_wire_bytes": tide.rs_wire_bytes}  # fmt: skip
+
+
+def _tide_columns(mode: str, tide: TideModel, cluster: Cluster, lay: Layout,
+                  dtypes: Any) -> dict[str, Any]:  # fmt: skip
+    """What TIDE runs in a row: its transport (``windows`` / ``copy_engine`` / ``p2p``),
+    TIDE-RS phase 2 across nodes (``one_sided`` / ``p2p`` / ``-``), in place or not."""
+    if mode not in ("tide", "tide_ag") or lay.world == 1:
+        return {"tide_transport": "-", "rs_phase2": "-", "in_place": False}
+    run = tide_run(tide, cluster, lay, dtypes)
+    phase2 = "-" if lay.nodes == 1 or mode == "tide_ag" else ("one_sided" if run.one_sided
+                                                              else "p2p")  # fmt: skip
+    in_place = (run.transport == "windows" and run.model.ag_in_place_groups > 0
+                and in_place_at(WorldLayout(lay.world, lay.local)))  # fmt: skip
+    return {"tide_transport": run.transport, "rs_phase2": phase2, "in_place": in_place}
 
 
 def _note(mode: str, cluster: Cluster, lay: Layout) -> str:
