@@ -2,7 +2,7 @@
 
 The TIDE stack (``fsdp_patch``, ``install``, ``reduce_scatter``) and the ``symm_mem`` baseline
 read FSDP2 only through this module, so a torch upgrade is checked in one place
-(docs/2026-12-07-torch-versions.md). What is read:
+(docs/design/2026-12-07-torch-versions.md). What is read:
 
 - the param groups of a module: 2.12+ keeps a list ``state._fsdp_param_groups``,
   2.11 one ``state._fsdp_param_group`` (None for a module without parameters);
