@@ -21,8 +21,9 @@ read FSDP2 only through this module, so a torch upgrade is checked in one place
   ``reduce_dtype`` that is None when it equals the gradients' dtype on 2.11-2.14; on 2.15
   no ``orig_dtype``, the reduce dtype always set, each sharded gradient cast to its
   parameter's ``sharded_grad_dtype``);
-- on 2.15, the per-parameter ``grad_dtype`` of the unsharded parameters (autograd's upcast
-  of bf16 gradients, deferred by FSDP2 itself where it can; :func:`defer_grad_upcast`);
+- on 2.15, the per-parameter ``grad_dtype`` policy (:func:`accumulate_dtype`): FSDP2 itself
+  defers autograd's upcast during backward, so bf16 gradients reach ``foreach_reduce`` in
+  bf16, beside fp32 ones computed in fp32 (``reduce_scatter.dtype_runs``);
 - the three names TIDE rebinds in ``_fsdp_param_group`` (it imports them by name, so
   patching ``_fsdp_collectives`` would do nothing).
 """
@@ -51,7 +52,6 @@ __all__ = [
     "accumulate_dtype",
     "ag_dtype",
     "custom_comm_reason",
-    "defer_grad_upcast",
     "fsdp_modules_without_groups",
     "fsdp_param_groups",
     "get_patched",
@@ -238,35 +238,6 @@ def reduce_dtypes(call: dict, fsdp_params) -> ReduceDtypes:
     return ReduceDtypes(
         call["reduce_dtype"], tuple(fp.sharded_grad_dtype for fp in fsdp_params)
     )
-
-
-def defer_grad_upcast(param_group, fsdp_params) -> list:
-    """torch 2.15: make FSDP2 defer autograd's upcast of these parameters' gradients
-    as it does for the rest of its group (``FSDPParamGroup._set_unsharded_grad_dtypes``:
-    with nothing accumulated and a reduce due, ``grad_dtype`` is None during backward,
-    so the gradient stays in ``param_dtype``; an accumulation without sync starts in
-    the wider dtype). FSDP2 leaves out parameters whose gradient it may reduce outside
-    data parallelism (a TP-replicated norm weight: its TP all-reduce then runs in fp32),
-    so those reach ``foreach_reduce`` in fp32 beside bf16 ones. Adds each parameter of
-    ``fsdp_params`` with a wider ``unsharded_grad_dtype`` than its compute dtype to the
-    group's list; returns the ones added (none before torch 2.15 or before lazy init)."""
-    deferred = getattr(param_group, "_fsdp_params_with_wider_grad_dtype", None)
-    if not PER_PARAM_GRAD_DTYPE or deferred is None:
-        return []
-    added = []
-    for fp in fsdp_params:
-        if fp in deferred or not hasattr(fp, "orig_dtype"):
-            continue
-        grad_dtype, compute = fp.unsharded_grad_dtype, fp.param_dtype or fp.orig_dtype
-        if (
-            grad_dtype is not None
-            and grad_dtype.is_floating_point
-            and compute.is_floating_point
-            and grad_dtype.itemsize > compute.itemsize
-        ):
-            deferred.append(fp)
-            added.append(fp)
-    return added
 
 
 def unsupported_param_reason(fsdp_param) -> str | None:
