@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The TorchTitan 0.3.0 example (examples/torchtitan_0_3/comm_apply_llama3.py) and its test, in a
+# The TorchTitan 0.3.0 example (scripts/examples/torchtitan_0_3/comm_apply_llama3.py) and its test, in a
 # venv of its own: TorchTitan 0.3.0 with the CPU build of torch 2.13 (0.3.0 needs torch >= 2.12
 # and datasets < 4.8; this project's trainer stays on 0.2.2). CI runs it (.ci/run).
 #   bash scripts/test_torchtitan030.sh              # tests/test_torchtitan030_example.py

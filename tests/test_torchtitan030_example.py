@@ -1,4 +1,4 @@
-"""examples/torchtitan_0_3/comm_apply_llama3.py: ``comm.apply`` on a TorchTitan 0.3.0 model
+"""scripts/examples/torchtitan_0_3/comm_apply_llama3.py: ``comm.apply`` on a TorchTitan 0.3.0 model
 (its llama3 debugmodel, sharded by its own ``parallelize_llama``), 2 gloo ranks on CPU:
 TIDE's losses bitwise equal to stock FSDP2's over 3 steps, and TIDE-AG and TIDE-RS ran for
 every FSDP group.
@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "torchtitan_0_3" / "comm_apply_llama3.py"
+EXAMPLE = REPO / "scripts" / "examples" / "torchtitan_0_3" / "comm_apply_llama3.py"
 STEPS = 3
 
 pytestmark = pytest.mark.skipif(

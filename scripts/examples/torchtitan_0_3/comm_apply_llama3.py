@@ -17,7 +17,7 @@ example swaps in the causal SDPA backend TorchTitan 0.3.0 ships (no document mas
 on GPUs keep the model's own backend. Needs torch >= 2.12, ``torchtitan==0.3.0`` (with
 ``datasets<4.8``) and this repository on ``PYTHONPATH``:
 
-    python examples/torchtitan_0_3/comm_apply_llama3.py --steps 3
+    python scripts/examples/torchtitan_0_3/comm_apply_llama3.py --steps 3
 """
 
 from __future__ import annotations
