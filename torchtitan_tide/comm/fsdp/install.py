@@ -17,37 +17,42 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import zlib
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from . import fsdp_internals, fsdp_patch, kernels, topology, window_arena, window_setup
+from ..base import kernels
+from ..base.ranks import clear_global_ranks
+from ..options import TideOptions
+from ..plans import topology
+from ..transports import AllGatherTransport, CrossNodeTransport, ReduceScatterTransport
+from ..transports.copy_engine import CopyEngineTransport
+from ..transports.p2p import P2PCrossNode, P2PTransport
+from ..transports.windows.ring import OneSidedCrossNode
+from ..transports.windows.transport import WindowTransport
+from . import internals as fsdp_internals
+from . import patch as fsdp_patch
 from .all_gather import TideGroupState
-from .fsdp_internals import fsdp_param_groups
-from .memory_plan import rs_staging_bytes, slot_sizes
-from .options import TideOptions
-from .plan import ParamSpec, WorldLayout, build_group_plan
-from .poison import poison_value
-from .reduce_scatter import WIRE_DTYPES, RSBuffers, TideRSState, wire_label
-from .setup_steps import SetupSteps
-from .transport import (
-    AllGatherTransport,
-    CrossNodeTransport,
-    ReduceScatterTransport,
-    clear_global_ranks,
-    group_global_ranks,
-    storage_swap,
+from .install_groups import (
+    Candidate,
+    build_plans,
+    choose_transports,
+    log_transports,
+    resolve_layouts,
+    select_candidates,
+    settle_transports,
 )
-from .transport.copy_engine import CopyEngineTransport, SymmSlots
-from .transport.one_sided import OneSidedCrossNode, rs_ring_bytes
-from .transport.p2p import P2PCrossNode, P2PTransport
-from .transport.windows import InPlace, WindowSlots, WindowTransport
-from .window_arena import ARENA_ALIGN, WindowArena
-from .window_rounds import window_layout
+from .install_setup import (
+    TideContext,
+    allocate_slots,
+    connect_slots,
+    connect_windows,
+    probe_windows,
+)
+from .internals import fsdp_param_groups
+from .reduce_scatter import WIRE_DTYPES, RSBuffers, TideRSState, wire_label
 
 __all__ = [
     "TideConfigError", "TideContext", "TideInstallError", "context", "install", "uninstall",
@@ -59,19 +64,6 @@ _MODEL_ATTR = "_tide_ag_installed"
 _installs = itertools.count()  # names install's set-up keys in the store (setup_steps)
 
 
-@dataclass
-class TideContext:
-    """Everything TIDE set up for one model; :func:`uninstall` drops it."""
-
-    groups: list = field(default_factory=list)  # FSDPParamGroup marked for TIDE
-    slots: list = field(default_factory=list)  # SymmSlots
-    node_groups: list = field(default_factory=list)  # node-local process groups made here
-    rma_comms: list = field(default_factory=list)  # one-sided communicators (windows, ring)
-    window_transports: list = field(default_factory=list)  # WindowTransport (in-place owners)
-    decisions: list = field(default_factory=list)  # what install logged: path per group, why
-    forward_hook: object = None  # RemovableHandle of the bypass check
-
-
 class TideInstallError(RuntimeError):
     """comm.apply(mode='tide') failed on some rank; raised on every rank of its groups
     (as ``TideConfigError``, a ``ValueError``, when every failure was a bad option)."""
@@ -79,25 +71,6 @@ class TideInstallError(RuntimeError):
 
 class TideConfigError(TideInstallError, ValueError):
     pass
-
-
-@dataclass
-class _Candidate:
-    """One FSDP param group TIDE may take, with what install decided for it."""
-
-    fqn: str
-    pg: object  # FSDPParamGroup
-    group: dist.ProcessGroup
-    device: torch.device
-    root: str
-    kind: str | None = None  # "windows" | "copy_engine" | "p2p" | None (FSDP2's path)
-    why: str = ""
-    plan: object = None  # GroupPlan
-    layout: WorldLayout | None = None
-    access: tuple[bool, str] = (False, "")  # topology.local_peer_access
-    backend: str = ""
-    fallback: str | None = None  # the kind ``auto`` takes if the windows fail
-    fallback_why: str = ""
 
 
 @contextlib.contextmanager
@@ -110,7 +83,7 @@ def _control_plane():
         yield
 
 
-def _distinct_groups(cands: list[_Candidate]) -> list[tuple[dist.ProcessGroup, torch.device]]:
+def _distinct_groups(cands: list[Candidate]) -> list[tuple[dist.ProcessGroup, torch.device]]:
     """Each process group once, in model order (the same order on every rank)."""
     seen: dict[int, tuple[dist.ProcessGroup, torch.device]] = {}
     for c in cands:
@@ -153,453 +126,8 @@ def _error_text(e: BaseException) -> tuple[str, bool]:
     return f"{type(e).__name__}: {e}", isinstance(e, ValueError)
 
 
-def _select(model: nn.Module, decisions: list[str]) -> list[_Candidate]:
-    """The groups TIDE may take (no collectives); the others' reasons go to ``decisions``."""
-    roots = fsdp_internals.group_root_fqns(model)
-    cands: list[_Candidate] = []
-    for fqn, pg in fsdp_param_groups(model):
-        group = fsdp_internals.shard_group(pg)
-        device = pg.device
-        if group is None:
-            decisions.append(f"{fqn}: FSDP2 path (replicate-only mesh: nothing to all-gather)")
-        elif group.size() == 1:
-            decisions.append(f"{fqn}: FSDP2 path (group of 1 rank: FSDP2 skips the all-gather)")
-        elif device.type not in ("cuda", "cpu"):
-            decisions.append(f"{fqn}: FSDP2 path (device {device.type} not supported)")
-        elif (reason := fsdp_internals.custom_comm_reason(pg)) is not None:
-            decisions.append(f"{fqn}: FSDP2 path ({reason} set on this group)")
-        else:
-            cands.append(_Candidate(fqn, pg, group, device, roots.get(id(pg), "<root>")))
-    return cands
-
-
-def _layouts(
-    cands: list[_Candidate],
-    options: TideOptions,
-    infos: dict[int, list[topology.RankInfo]],
-) -> None:
-    """Per candidate: layout, CUDA P2P to its local peers, backend (local only)."""
-    for c in cands:
-        rank_infos = infos[id(c.group)]
-        lws, lws_source = topology.resolve_local_world_size(options, topology.node_keys(rank_infos))
-        layout = WorldLayout(c.group.size(), lws)
-        c.access = (
-            topology.local_peer_access(rank_infos, layout, c.group.rank())
-            if c.device.type == "cuda" and lws > 1
-            else (False, "not CUDA" if c.device.type != "cuda" else "no node-local peers")
-        )
-        c.backend = str(dist.get_backend(c.group))
-        c.layout = layout
-        c.why = f"{layout.shape} ({lws_source})"
-
-
-def _choose(cands: list[_Candidate], options: TideOptions, probes: dict) -> None:
-    """Per candidate: this rank's transport proposal, given what the one-sided probe of its
-    process group found (``probes``, agreed by every rank of the group)."""
-    for c in cands:
-        assert c.layout is not None
-        found = probes.get((id(c.group), c.device))
-        windows = (
-            (False, "") if found is None or found.api is None
-            else (True, found.api.version()) if found.capable else (False, found.reason)
-        )  # fmt: skip
-        kind, why, fallback = topology.choose_transport(
-            options, c.layout, c.device, c.backend, c.access, windows
-        )
-        c.kind, c.fallback = kind, fallback
-        c.why = f"{why}; {c.why}"
-        if fallback is not None:
-            _, c.fallback_why, _ = topology.choose_transport(
-                options, c.layout, c.device, c.backend, c.access, (False, "set-up failed")
-            )
-
-
-def _settle_transports(cands: list[_Candidate], gathered: dict[int, list[dict]]) -> None:
-    """Every rank of a group takes the same transport: the copy engine only where
-    every rank proposed it, else point-to-point where every rank can, else FSDP2's
-    path (the reason names the ranks that differ)."""
-    for i, c in enumerate(cands):
-        kinds = [item["kinds"][i] for item in gathered[id(c.group)]]
-        if len(set(kinds)) == 1:
-            continue
-        differ = sorted(r for r, k in enumerate(kinds) if k != c.kind)
-        c.kind = None if None in kinds else "p2p"
-        c.why = (
-            f"ranks disagree ({dict(enumerate(kinds))}; group ranks {differ} differ from this "
-            f"rank): {'point-to-point' if c.kind else 'FSDP2 path'} on every rank"
-        )
-
-
-def _build_plans(
-    cands: list[_Candidate], decisions: list[str] | None, fqns: dict[int, str], pacing: int
-) -> list[_Candidate]:
-    """Plan every candidate with a transport (local); ``fqns``: parameter names;
-    ``pacing``: the most point-to-point chunks per wave (``TideOptions.pacing``);
-    ``decisions`` None: plan only (the log lines come once the transports are final)."""
-    taken = []
-    for c in cands:
-        if c.kind is None:
-            if decisions is not None:
-                decisions.append(f"{c.fqn}: FSDP2 path ({c.why})")
-            continue
-        specs = [
-            ParamSpec(
-                fqn=fsdp_internals.param_fqn(fp, fqns),
-                shard_numel=fp._sharded_param_data.numel(),
-                dtype=str(fsdp_internals.ag_dtype(fp, c.pg)),
-                unsupported=fsdp_internals.unsupported_param_reason(fp),
-            )
-            for fp in c.pg.fsdp_params
-        ]
-        assert c.layout is not None
-        c.plan = build_group_plan(
-            specs, c.layout, c.group.rank(), pull_local=c.kind in ("copy_engine", "windows"),
-            pacing=pacing,
-        )
-        if not c.plan.uses_tide:
-            if decisions is not None:
-                decisions.append(f"{c.fqn}: FSDP2 path ({c.plan.fallback_reason})")
-            continue
-        taken.append(c)
-    return taken
-
-
-def _log_transports(taken: list[_Candidate], decisions: list[str]) -> None:
-    for c in taken:
-        decisions.append(
-            f"{c.fqn}: transport={c.kind} ({c.why}); {len(c.plan.params)} params, "
-            f"dtypes {list(c.plan.dtypes)}"
-        )
-
-
-@dataclass
-class _PendingSlots:
-    """The copy-engine slots of one (process group, device), allocated, not yet connected."""
-
-    group: dist.ProcessGroup
-    device: torch.device
-    layout: WorldLayout
-    ag_buffer: torch.Tensor
-    rs_buffer: torch.Tensor | None
-
-
-def _allocate_slots(cands: list[_Candidate], options: TideOptions) -> dict[tuple, _PendingSlots]:
-    """This rank's symmetric buffers per (process group, device) of the copy-engine
-    candidates, sized by ``memory_plan.slot_sizes`` (local: an out-of-memory here is
-    reported by the agreement before any rank starts a rendezvous)."""
-    tide_rs = options.reduce_scatter == "tide"
-    by_key: dict[tuple[int, torch.device], list[_Candidate]] = {}
-    for c in cands:
-        if c.kind == "copy_engine":
-            by_key.setdefault((id(c.group), c.device), []).append(c)
-    pending: dict[tuple, _PendingSlots] = {}
-    for key, members in by_key.items():
-        layout = members[0].layout
-        assert layout is not None
-        sizes = slot_sizes(
-            num_nodes=layout.num_nodes,
-            local_world_size=layout.local_world_size,
-            packed_shard_bytes=[
-                fsdp_internals.shard_bytes(c.pg, "param", align=16) for c in members
-            ],
-            grad_shard_bytes=[fsdp_internals.shard_bytes(c.pg, "param") for c in members],
-            reduce_shard_bytes=[fsdp_internals.shard_bytes(c.pg, "reduce") for c in members],
-            rs_rows=options.rs_rows,
-            tide_rs=tide_rs,
-            slot_reuse=options.slot_reuse,
-        )
-        rs_buffer = (
-            SymmSlots.allocate(sizes.rs_slot_bytes, key[1])
-            if tide_rs and not options.slot_reuse
-            else None
-        )
-        pending[key] = _PendingSlots(
-            members[0].group, key[1], layout, SymmSlots.allocate(sizes.ag_slot_bytes, key[1]),
-            rs_buffer,
-        )  # fmt: skip
-    return pending
-
-
-def _connect_slots(
-    pending: dict[tuple, _PendingSlots],
-    options: TideOptions,
-    ctx: TideContext,
-    decisions: list[str],
-    install_seq: int,
-) -> tuple[dict, dict]:
-    """Collective over each node's ranks, each step bounded by ``[tide]
-    install_timeout_s`` (``setup_steps``: a rank that fails tells its node's peers at
-    once): the node-local group of each pending key and the rendezvous of its buffers.
-    A failure raises here on every rank of the node (the agreement after this turns it
-    into one error on every rank of the FSDP groups)."""
-    if not pending:
-        return {}, {}
-    steps = SetupSteps(install_seq, options.install_timeout_s)
-    ag_slots: dict = {}
-    rs_slots: dict = {}
-    for k, (key, p) in enumerate(pending.items()):
-        global_ranks = group_global_ranks(p.group)
-        node = p.layout.node_of(p.group.rank())
-        peers = [global_ranks[r] for r in topology.node_local_group_ranks(p.layout)[node]]
-        # unique per node-local peer set: groups of other TP ranks, stages or replicas share k
-        scope = f"slots{k}/node{node}/{zlib.crc32(repr(peers).encode()):08x}"
-        node_group = steps.run(
-            "node-local group", scope, peers,
-            lambda p=p, g=global_ranks: _node_local_group(p, g, options.install_timeout_s),
-            p.device,
-        )  # fmt: skip
-        if node_group is not p.group:
-            ctx.node_groups.append(node_group)
-
-        def connect(buffer, what: str, p=p, group=node_group, scope=scope, peers=peers):
-            def exchange(value: object) -> list:
-                return steps.exchange(f"{what} slot details", scope, peers, value)
-
-            def rendezvous() -> SymmSlots:
-                return SymmSlots.connect(buffer, group, p.device, options.slot_barrier, exchange)
-
-            return steps.run(
-                f"{what} symmetric-memory rendezvous", scope, peers, rendezvous, p.device
-            )
-
-        ag_slots[key] = connect(p.ag_buffer, "TIDE-AG")
-        ctx.slots.append(ag_slots[key])
-        barrier = ag_slots[key].barrier_kind
-        decisions.append(
-            f"copy-engine slots on {p.device}: 2 x {ag_slots[key].slot_bytes} B, barrier "
-            + ("stream flag write/wait (no SM kernel)" if barrier == "copy_engine" else
-               f"kernel (option slot_barrier={options.slot_barrier!r}"
-               f"{'' if options.slot_barrier == 'kernel' else ': copy-engine barrier unavailable'})")
-        )  # fmt: skip
-        if p.rs_buffer is not None:
-            rs_slots[key] = connect(p.rs_buffer, "TIDE-RS")
-            ctx.slots.append(rs_slots[key])
-    return ag_slots, rs_slots
-
-
-def _node_local_group(
-    p: _PendingSlots, global_ranks: tuple[int, ...], timeout_s: float
-) -> dist.ProcessGroup:
-    node_group = topology.make_node_local_group(p.group, p.layout, list(global_ranks), timeout_s)
-    if node_group is None:
-        raise RuntimeError(
-            "the copy engine across nodes needs a node-local process group, and "
-            "torch.distributed.new_group could not make one; "
-            "set [tide] ag_transport = 'nccl_p2p'"
-        )
-    return node_group
-
-
-def _by_key(cands: list[_Candidate]) -> dict[tuple, list[_Candidate]]:
-    """Candidates per (process group, device), in model order."""
-    out: dict[tuple, list[_Candidate]] = {}
-    for c in cands:
-        out.setdefault((id(c.group), c.device), []).append(c)
-    return out
-
-
-def _ring_wanted(members: list[_Candidate], options: TideOptions) -> bool:
-    """TIDE-RS phase 2 could go one-sided for this process group."""
-    layout = members[0].layout
-    assert layout is not None
-    return (
-        options.reduce_scatter == "tide"
-        and layout.num_nodes > 1
-        and options.cross_node_transport != "p2p"
-        and any(m.pg._reduce_scatter_process_group is m.group for m in members)
-    )
-
-
-def _probe_windows(
-    cands: list[_Candidate], options: TideOptions, decisions: list[str], install_seq: int
-) -> tuple[dict[tuple, window_setup.Probe], SetupSteps | None]:
-    """``window_setup.probe`` for every (process group, device) whose groups could use NCCL
-    windows or the one-sided phase 2 (collective over each such group, bounded)."""
-    probes: dict[tuple, window_setup.Probe] = {}
-    steps: SetupSteps | None = None
-    for k, (key, members) in enumerate(_by_key(cands).items()):
-        c, layout = members[0], members[0].layout
-        assert layout is not None
-        if options.cross_node_transport == "p2p" and layout.num_nodes > 1:
-            decisions.append(f"{c.fqn}: cross-node p2p (option cross_node_transport='p2p')")
-        wanted = any(topology.windows_wanted(options, m.layout, m.access) for m in members)
-        if not (wanted or _ring_wanted(members, options)):
-            if options.cross_node_transport == "nccl_one_sided":  # asked for, nothing to carry
-                decisions.append(
-                    f"{c.fqn}: [tide] cross_node_transport = 'nccl_one_sided' unused (no "
-                    "cross-node traffic of TIDE's here)"
-                )
-            continue
-        shared = bool(topology.SHARED_GPU in c.access[1])
-        api, how = window_setup.api_for(c.device, c.backend, shared)
-        if api is None and how == window_setup.NOT_NCCL:  # alike on every rank of the group
-            probes[key] = window_setup.Probe(None, how)
-            continue
-        steps = steps or SetupSteps(install_seq, options.install_timeout_s)
-        peers = list(group_global_ranks(c.group))
-        scope = f"onesided{k}/{zlib.crc32(repr(peers).encode()):08x}"
-        probes[key] = window_setup.probe(steps, scope, c.group, c.device, api, how)
-    return probes, steps
-
-
-def _one_sided_refusal(members: list[_Candidate], options: TideOptions, why: str) -> None:
-    """Raise the named error of an explicit one-sided option that cannot run."""
-    c = members[0]
-    if options.transport == "nccl_windows" and any(m.kind == "windows" for m in members):
-        raise ValueError(
-            f"[tide] ag_transport = 'nccl_windows' cannot run for {c.fqn}: {why}; use 'auto'"
-        )
-    if options.cross_node_transport == "nccl_one_sided":
-        raise ValueError(
-            f"[tide] cross_node_transport = 'nccl_one_sided' cannot run for {c.fqn}: {why}; "
-            "use 'auto' (falls back to send/recv) or 'p2p'"
-        )
-
-
-def _in_place_missing(
-    layout, users: list, options: TideOptions, device: torch.device
-) -> str | None:
-    """Why the windows of this process group place with copies instead of delivering in
-    place (None: in place; ``transport/windows.py``)."""
-    if not users:
-        return "no group on the window"
-    if options.ag_in_place_groups == 0:
-        return "[tide] ag_in_place_groups = 0"
-    if layout.num_nodes < 2:
-        return "one node"
-    return storage_swap.swap_missing_reason(device, options.ag_storage_swap == "ctypes")
-
-
-def _swap_taken(device: torch.device, options: TideOptions) -> str:
-    """The storage swap TIDE-AG in place runs on, as logged; says so where ``[tide]
-    ag_storage_swap = "ctypes"`` was asked for and torch's native swap runs instead."""
-    allow_ctypes = options.ag_storage_swap == "ctypes"
-    kind, how = storage_swap.swap_backend(device, allow_ctypes)
-    if kind == "native" and allow_ctypes:
-        how += " ([tide] ag_storage_swap = 'ctypes' not needed: this torch has the native swap)"
-    return how
-
-
-def _connect_windows(
-    taken: list[_Candidate],
-    options: TideOptions,
-    probes: dict[tuple, window_setup.Probe],
-    steps: SetupSteps | None,
-    ctx: TideContext,
-    decisions: list[str],
-    fqns: dict[int, str],
-) -> tuple[dict[tuple, WindowTransport], dict[tuple, OneSidedCrossNode]]:
-    """The windows of every probed process group (``window_setup.connect``): TIDE-AG and
-    TIDE-RS phase 1 for its ``windows`` groups, the phase-2 ring where TIDE-RS crosses
-    nodes. Collective over each group, bounded. A failure (probe or set-up, on any rank)
-    under ``auto`` gives every group of the process group its fallback transport and
-    phase 2 send/recv, logged with the reason; under an explicit option it raises
-    ``ValueError`` naming it."""
-    windows: dict[tuple, WindowTransport] = {}
-    rings: dict[tuple, OneSidedCrossNode] = {}
-    tide_rs = options.reduce_scatter == "tide"
-    wire = options.rs_wire_dtype != "float32"
-    by_key = _by_key(taken)
-    for key, found in probes.items():
-        if key not in by_key:  # probed, then no group of it took TIDE: nothing to set up
-            found.abort()
-    for k, (key, members) in enumerate(by_key.items()):
-        found = probes.get(key)
-        if found is None:
-            continue
-        c, layout = members[0], members[0].layout
-        assert layout is not None
-        users = [m for m in members if m.kind == "windows"]
-        ring_wanted = _ring_wanted(members, options)
-        reduce_numel = max(
-            sum(fp._sharded_param_data.numel() for fp in m.pg.fsdp_params) for m in members
-        )
-        why = found.reason
-        slots_bytes = ring_bytes = arena_bytes = 0
-        wl = None
-        in_place_why = _in_place_missing(layout, users, options, c.device)
-        peers = list(group_global_ranks(c.group))
-        scope = f"windows{k}/{zlib.crc32(repr(peers).encode()):08x}"
-        if why is None and users:  # one decision for the group: it sizes every rank's window
-            assert steps is not None
-            in_place_why = window_setup.agree(steps, scope, c.group, c.device,
-                                              "TIDE-AG in place", in_place_why)  # fmt: skip
-        if in_place_why is None:
-            arena_bytes = window_arena.arena_bytes(
-                (fsdp_internals.unsharded_bytes(m.pg, layout.world_size, ARENA_ALIGN)
-                 for m in users), options.ag_in_place_groups,
-            )  # fmt: skip
-        if why is None:
-            if users:
-                wl = window_layout(
-                    layout.num_nodes, layout.local_world_size,
-                    max(fsdp_internals.shard_bytes(m.pg, "param", align=16) for m in users),
-                    rs_staging_bytes(
-                        layout.local_world_size,
-                        [fsdp_internals.shard_bytes(m.pg, "param") for m in users],
-                        [fsdp_internals.shard_bytes(m.pg, "reduce") for m in users],
-                        options.rs_rows,
-                    ) if tide_rs else 0,
-                    options.slot_reuse,
-                    arena_bytes,
-                )  # fmt: skip
-                slots_bytes = wl.total_bytes
-            if ring_wanted:
-                ring_bytes = rs_ring_bytes(options.rs_inflight, 4 * reduce_numel, wire)
-            assert steps is not None
-            slots_window, ring, why = window_setup.connect(
-                steps, scope, c.group, c.device, found, slots_bytes, ring_bytes,
-                ag_credit=bool(arena_bytes),
-            )
-        if why is not None:  # probe and connect aborted what they made
-            if users or ring_wanted:
-                _one_sided_refusal(members, options, why)
-            for m in users:  # auto: what it takes without windows
-                m.kind, m.why = m.fallback, f"{m.fallback_why}; NCCL windows: {why}"
-            if users:
-                _build_plans(users, None, fqns, options.pacing)
-            if ring_wanted or layout.num_nodes > 1:
-                decisions.append(f"{c.fqn}: cross-node p2p (auto: {why})")
-            continue
-        ctx.rma_comms.extend(found.made)
-        name = c.group.group_name
-        if slots_window is not None:
-            slots = WindowSlots(found.slots_comm, slots_window, wl, name,
-                                tuple(group_global_ranks(c.group)))  # fmt: skip
-            in_place = None
-            if arena_bytes:
-                in_place = InPlace(WindowArena(wl.arena_base, wl.arena_bytes),
-                                   found.ag_credit_comm)  # fmt: skip
-                if poison_value() is not None:  # tests: a range never written reads NaN
-                    slots_window.tensor.narrow(0, wl.arena_base, wl.arena_bytes).fill_(0xFF)
-                    if c.device.type == "cuda":
-                        torch.cuda.synchronize(c.device)
-            windows[key] = WindowTransport(slots, options.pacing, in_place)
-            ctx.window_transports.append(windows[key])
-        if ring is not None:
-            rings[key] = OneSidedCrossNode(
-                ring[0], ring[1], ring[2], layout, c.group.rank(), options.rs_inflight,
-                4 * reduce_numel, wire, name,
-            )  # fmt: skip
-        parts = ([f"window {slots_bytes} B (TIDE-AG, TIDE-RS rows)"] if slots_window else []) + (
-            [(f"TIDE-AG in place: arena {arena_bytes} B for {options.ag_in_place_groups} "
-              f"groups, storage swap: {_swap_taken(c.device, options)}")]
-            if slots_window and arena_bytes else
-            [f"TIDE-AG placement copies: {in_place_why}"] if slots_window else []) + (
-            [f"phase-2 ring {ring_bytes} B ({options.rs_inflight} regions)"] if ring else [])
-        if ring is not None or (slots_window is not None and layout.num_nodes > 1):
-            decisions.append(
-                f"{c.fqn}: cross-node nccl_one_sided ("
-                f"{'auto: ' if options.cross_node_transport == 'auto' else ''}"
-                f"{found.api.version()} with host RMA; {', '.join(parts)})"
-            )
-        elif slots_window is not None:
-            decisions.append(f"{c.fqn}: NCCL windows ({found.api.version()}; {', '.join(parts)})")
-    return windows, rings
-
-
 def _mark_groups(
-    cands: list[_Candidate],
+    cands: list[Candidate],
     options: TideOptions,
     ag_slots: dict,
     rs_slots: dict,
@@ -734,7 +262,7 @@ def install(model: nn.Module, options: TideOptions) -> None:
         )
         setattr(model, _MODEL_ATTR, TideContext())
         return
-    cands = _select(model, decisions)
+    cands = select_candidates(model, decisions)
     ctx = TideContext()
     if not cands:  # nothing collective when TIDE takes nothing
         _log_decisions(decisions, None)
@@ -753,15 +281,15 @@ def install(model: nn.Module, options: TideOptions) -> None:
         infos = {gid: [item["info"] for item in items] for gid, items in gathered.items()}
         error = None
         try:
-            _layouts(cands, options, infos)
+            resolve_layouts(cands, options, infos)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             error = _error_text(e)
         _agree(groups, "layout", {"rank": me, "error": error})
         # Whether NCCL windows can run, per process group (collective, bounded, soft).
         error, probes, steps = None, {}, None
         try:
-            probes, steps = _probe_windows(cands, options, decisions, install_seq)
-            _choose(cands, options, probes)
+            probes, steps = probe_windows(cands, options, decisions, install_seq)
+            choose_transports(cands, options, probes)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             error = _error_text(e)
         try:
@@ -772,16 +300,16 @@ def install(model: nn.Module, options: TideOptions) -> None:
             for found in probes.values():
                 found.abort()
             raise
-        _settle_transports(cands, gathered)
+        settle_transports(cands, gathered)
         # Windows (collective, soft: a failure falls back under auto), then the local work
         # that can fail alone (plans, symmetric buffers) before any rendezvous.
         error, taken, pending, windows, rings = None, [], {}, {}, {}
         fqns = fsdp_internals.param_fqns(model)
         try:
-            taken = _build_plans(cands, decisions, fqns, options.pacing)
-            windows, rings = _connect_windows(taken, options, probes, steps, ctx, decisions, fqns)
-            _log_transports(taken, decisions)
-            pending = _allocate_slots(taken, options)
+            taken = build_plans(cands, decisions, fqns, options.pacing)
+            windows, rings = connect_windows(taken, options, probes, steps, ctx, decisions, fqns)
+            log_transports(taken, decisions)
+            pending = allocate_slots(taken, options)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             error = _error_text(e)
             for found in probes.values():
@@ -793,7 +321,7 @@ def install(model: nn.Module, options: TideOptions) -> None:
             raise
         error = None
         try:
-            ag_slots, rs_slots = _connect_slots(pending, options, ctx, decisions, install_seq)
+            ag_slots, rs_slots = connect_slots(pending, options, ctx, decisions, install_seq)
             _mark_groups(taken, options, ag_slots, rs_slots, windows, rings, ctx, decisions)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             error = _error_text(e)
