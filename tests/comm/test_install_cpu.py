@@ -82,8 +82,8 @@ def _cases(rank: int, world: int) -> None:
     # 2. A failure in the local allocation on rank 1, then in the collective set-up on
     # rank 0 only: every rank raises naming the phase and the rank, and nothing stays
     # marked (the groups take FSDP2's path; a retry works).
-    for phase, failing_rank, name in (("allocation", 1, "_allocate_slots"),
-                                      ("set-up", 0, "_connect_slots")):  # fmt: skip
+    for phase, failing_rank, name in (("allocation", 1, "allocate_slots"),
+                                      ("set-up", 0, "connect_slots")):  # fmt: skip
         real = getattr(install, name)
 
         def fails(*args, _phase=phase, **kwargs):

@@ -18,15 +18,15 @@ storage of one FSDP group. Contract of :meth:`AllGatherTransport.gather`:
   write. Returning a ``dist.Work`` is allowed for CPU backends whose work is
   not stream-ordered; the caller waits it before FSDP reads the storage.
 
-Current transports: ``p2p.py`` (``dist.batch_isend_irecv`` on the group's backend:
-gloo on CPU, NCCL on GPU), ``copy_engine.py`` (one node, peers pull from symmetric memory
-with one ``cudaMemcpyBatchAsync``) and ``windows/`` (NCCL >= 2.30 one-sided puts into
-registered windows: TIDE-AG and TIDE-RS phase 1 on one window per process group, TIDE-RS
-phase 2 in a ring; the window's set-up and NCCL binding with it). Also here: which
+Owns: these interfaces and the transports: ``p2p.py`` (``dist.batch_isend_irecv`` on the
+group's backend: gloo on CPU, NCCL on GPU), ``copy_engine.py`` (peers of a node pull from
+symmetric memory with one ``cudaMemcpyBatchAsync``) and ``windows/`` (NCCL >= 2.30 one-sided
+puts into registered windows: TIDE-AG and TIDE-RS phase 1 on one window per process group,
+TIDE-RS phase 2 in a ring; the window's set-up and NCCL binding with it). Also which
 parameters' unsharded storage a transport holds (:func:`hold_unsharded`).
 
-Imports: ``plans``, ``base`` and ``options`` of ``comm``; never ``fsdp``, the package that
-calls the transports (docs/design/2026-12-07-comm-rooms.md).
+May import: ``plans``, ``base`` and ``options`` of ``comm``; never ``fsdp``, the package
+that calls the transports (docs/design/2026-12-07-comm-rooms.md).
 """
 
 from __future__ import annotations
