@@ -5,7 +5,7 @@ The map's tables name every module of ``torchtitan_tide/``, ``models/`` and ``sc
 the repository root under "## models/, scripts/"), and nothing that does not exist. The
 imports between ``torchtitan_tide`` modules (every ``import`` statement, also those inside
 functions) form no circle; inside ``comm/`` they run down its layers
-(docs/design/2026-12-07-comm-rooms.md); no folder of ``tests/`` has a circle either.
+(docs/design/2026-12-07-comm-rooms.md); no folder of ``scripts/`` or ``tests/`` has a circle.
 """
 
 import ast
@@ -216,11 +216,16 @@ def _sibling_imports(path: Path) -> set[str]:
     return (found & siblings) - {path.stem}
 
 
-def test_no_import_circle_in_tests():
-    """Test helpers (``_harness.py``, ``_layouts.py``, a test reusing another's checks) are
-    imported by name from their folder: no folder of ``tests/`` has a circle of them."""
-    folders = sorted({p.parent for p in (REPO / "tests").rglob("*.py")})
-    assert REPO / "tests" / "comm" in folders
+def test_no_import_circle_in_scripts_or_tests():
+    """No module of a folder of ``scripts/`` or ``tests/`` imports, at load or lazily, a
+    sibling that imports it back (directly or through others): bench_interference.py and
+    interference_one_gpu.py did (issue 46; the GEMMs both time live in gemms.py). Test
+    helpers (``_harness.py``, ``_layouts.py``, a test reusing another's checks) are siblings
+    imported by name the same way."""
+    folders = sorted({p.parent for top in ("scripts", "tests") for p in (REPO / top).rglob("*.py")})
+    assert REPO / "tests" / "comm" in folders and REPO / "scripts" / "bench" in folders
     for folder in folders:
         graph = {p.stem: _sibling_imports(p) for p in folder.glob("*.py")}
-        assert not _circles(graph), f"{folder.relative_to(REPO)}: {_circles(graph)}"
+        assert not _circles(graph), f"{folder.relative_to(REPO)}: import circle {_circles(graph)}"
+    bench = REPO / "scripts" / "bench"
+    assert "bench_interference" not in _sibling_imports(bench / "interference_one_gpu.py")
