@@ -2,14 +2,15 @@
 
 :func:`install` is collective over each FSDP process group of the groups TIDE may take,
 and atomic: local selection first (no collective), then one ``all_gather_object`` of every
-rank's :class:`~.topology.RankInfo` per process group, local planning, an agreement
+rank's :class:`~..plans.topology.RankInfo` per process group, local planning, an agreement
 (every rank's error and transport proposal), the collective set-up (node-local groups,
 symmetric slots), and a second agreement. A failure on any rank raises on every rank of
 its groups with that rank's message, and frees what was set up. Nothing collective runs
 when no group can use TIDE. The state of one model (slots, node-local groups, the bypass
 hook) is owned by its :class:`TideContext`, dropped by :func:`uninstall`; the groups
-are marked for the wrappers with ``fsdp_patch.mark``. Decisions:
-docs/design/2026-12-01-cluster-layouts.md.
+are marked for the wrappers with ``fsdp_patch.mark``. This module keeps the order and the
+agreements; the local decisions are ``install_groups.py``, the collective set-up
+``install_setup.py``. Decisions: docs/design/2026-12-01-cluster-layouts.md.
 """
 
 from __future__ import annotations

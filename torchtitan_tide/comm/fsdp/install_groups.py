@@ -47,7 +47,6 @@ class Candidate:
     fallback_why: str = ""
 
 
-
 def select_candidates(model: nn.Module, decisions: list[str]) -> list[Candidate]:
     """The groups TIDE may take (no collectives); the others' reasons go to ``decisions``."""
     roots = fsdp_internals.group_root_fqns(model)

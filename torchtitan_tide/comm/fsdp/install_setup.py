@@ -54,7 +54,6 @@ class TideContext:
     forward_hook: object = None  # RemovableHandle of the bypass check
 
 
-
 @dataclass
 class _PendingSlots:
     """The copy-engine slots of one (process group, device), allocated, not yet connected."""
