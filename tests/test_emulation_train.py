@@ -193,7 +193,7 @@ NXL = ["--tide.local_world_size", "2", "--tide.ag_storage_swap", "ctypes"]
 
 
 def _multi_rank_gpu(test):
-    from torchtitan_tide.comm.transport.nccl_rma import multi_rank_gpu_missing_reason
+    from torchtitan_tide.comm.transports.windows.nccl_rma import multi_rank_gpu_missing_reason
 
     reason = multi_rank_gpu_missing_reason() if torch.cuda.is_available() else "needs CUDA"
     mark = pytest.mark.skipif(reason is not None, reason=str(reason))

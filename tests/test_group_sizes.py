@@ -5,8 +5,8 @@ the launcher, the train spec and install."""
 import pytest
 from torchtitan.distributed import ParallelDims
 
-from torchtitan_tide.comm.group_sizes import check_local_world_size, fsdp_group_sizes
 from torchtitan_tide.comm.options import TideOptionError
+from torchtitan_tide.comm.plans.group_sizes import check_local_world_size, fsdp_group_sizes
 from torchtitan_tide.config import Tide, TideConfigError
 from torchtitan_tide.launch.checks import check_run_values
 from torchtitan_tide.launch.errors import LaunchError

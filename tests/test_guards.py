@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_tide import guards
-from torchtitan_tide.comm import watchdog
+from torchtitan_tide.comm.base import watchdog
 from torchtitan_tide.config import Tide, TideConfigError
 from torchtitan_tide.guards import NonFiniteTrainingError, check_step
 

@@ -20,7 +20,7 @@ import torch
 from test_launch import dry_main
 from train_helpers import REPO, cpu_env
 
-from torchtitan_tide.comm.watchdog import FAILURES_FILE
+from torchtitan_tide.comm.base.watchdog import FAILURES_FILE
 from torchtitan_tide.config import Tide
 from torchtitan_tide.preflight import facts, one_sided, rates
 from torchtitan_tide.preflight.report import EXIT_TIMEOUT, Row, failure_lines, ranks_text, table

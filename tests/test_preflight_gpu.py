@@ -22,7 +22,7 @@ import pytest
 import torch
 from train_helpers import REPO
 
-from torchtitan_tide.comm.transport.nccl_rma import multi_rank_gpu_missing_reason
+from torchtitan_tide.comm.transports.windows.nccl_rma import multi_rank_gpu_missing_reason
 from torchtitan_tide.launch.command import MULTICAST_OFF
 
 EMULATE = REPO / "scripts" / "gpu" / "emulate.sh"

@@ -34,9 +34,9 @@ def _example():
 
 
 def _worker(rank: int, world: int, port: int, results) -> None:
-    from torchtitan_tide.comm import fsdp_patch
-    from torchtitan_tide.comm import reduce_scatter as tide_rs
-    from torchtitan_tide.comm.fsdp_internals import fsdp_param_groups
+    from torchtitan_tide.comm.fsdp import patch as fsdp_patch
+    from torchtitan_tide.comm.fsdp import reduce_scatter as tide_rs
+    from torchtitan_tide.comm.fsdp.internals import fsdp_param_groups
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -6,8 +6,8 @@ TorchTitan's ``apply_fsdp`` would (:func:`fsdp_group_modules`: nothing distribut
 applied); :func:`world_for` takes the FSDP shard degree and node split of a GPU count
 from ``[parallelism]``. The memory report (``torchtitan_tide/memory_report.py``), the
 step simulator and the one-GPU layer trace (``scripts/bench/bench_trace.py``) all read
-the model through here. Not to be confused with ``comm/plan.py`` (TIDE's layout plan of
-one FSDP group's chunks) or ``comm/memory_plan.py`` (the buffer bytes of each comm mode).
+the model through here. Not to be confused with ``comm/plans/plan.py`` (TIDE's layout plan of
+one FSDP group's chunks) or ``comm/plans/memory_plan.py`` (the buffer bytes of each comm mode).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchtitan_tide.comm.memory_plan import CommDtypes, GroupShape
+from torchtitan_tide.comm.plans.memory_plan import CommDtypes, GroupShape
 from torchtitan_tide.config import Tide, check_config_table, load_toml
 
 __all__ = [

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_tide import checkpoint
-from torchtitan_tide.comm import watchdog
+from torchtitan_tide.comm.base import watchdog
 
 __all__ = ["NonFiniteTrainingError", "install", "uninstall"]
 

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from torchtitan_tide.comm.memory_plan import FORMULAS, MODES, group_shard_numel, plan_memory
+from torchtitan_tide.comm.plans.memory_plan import FORMULAS, MODES, group_shard_numel, plan_memory
 from torchtitan_tide.config import Tide
 from torchtitan_tide.fsdp_groups import ConfigModel, FsdpWorld, load_config_model, world_for
 

@@ -22,9 +22,9 @@ from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_
 from torchtitan.tools.logging import logger
 
 from torchtitan_tide import comm
-from torchtitan_tide.comm.group_sizes import check_local_world_size, fsdp_group_sizes
-from torchtitan_tide.comm.install import TideInstallError
+from torchtitan_tide.comm.fsdp.install import TideInstallError
 from torchtitan_tide.comm.options import TideOptionError
+from torchtitan_tide.comm.plans.group_sizes import check_local_world_size, fsdp_group_sizes
 from torchtitan_tide.comm.symm_mem import SymmMemUnavailable
 from torchtitan_tide.config import Tide, TideConfigError
 from torchtitan_tide.data import register_dataset, resolve_asset_path
@@ -144,7 +144,7 @@ def nccl_version_string() -> str:
     """The NCCL version loaded by this process, or why there is none."""
     if not torch.cuda.is_available():
         return "no CUDA, NCCL not loaded"
-    from torchtitan_tide.comm.transport import nccl_rma
+    from torchtitan_tide.comm.transports.windows import nccl_rma
 
     try:
         built = ".".join(str(v) for v in torch.cuda.nccl.version()[:3])

@@ -59,7 +59,7 @@ def _time(fn, iters: int) -> float:
 
 
 def _variants() -> dict[str, Variant]:
-    from torchtitan_tide.comm import kernels
+    from torchtitan_tide.comm.base import kernels
 
     variants: dict[str, Variant] = {}
     for ctas in CTAS:
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--numel", type=int, default=427_819_008)
     parser.add_argument("--iters", type=int, default=5)
     args = parser.parse_args(argv)
-    from torchtitan_tide.comm import kernels
+    from torchtitan_tide.comm.base import kernels
 
     device = torch.device("cuda", 0)
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count

@@ -412,7 +412,7 @@ def _check_exact(
 ) -> tuple[bool, int]:
     """Unshard once with every TIDE storage NaN-poisoned first; (all params
     bitwise equal to ``ref``, number that differ)."""
-    from torchtitan_tide.comm import all_gather as tide_ag
+    from torchtitan_tide.comm.fsdp import all_gather as tide_ag
 
     def poison(outputs: list[torch.Tensor]) -> None:
         for o in outputs:
@@ -433,7 +433,7 @@ def _check_exact(
 
 
 def _transports(model: nn.Module) -> list[str]:
-    from torchtitan_tide.comm import fsdp_patch
+    from torchtitan_tide.comm.fsdp import patch as fsdp_patch
 
     names = []
     for _, pg in fsdp_patch.fsdp_param_groups(model):
@@ -490,7 +490,7 @@ def measure_variant(
         out["profile"] = _profile(step, reshard, device)
         out["transports"] = _transports(model)
         if is_tide:
-            from torchtitan_tide.comm.transport import copy_engine
+            from torchtitan_tide.comm.transports import copy_engine
 
             out["batch_fallback"] = copy_engine._batch_state["disabled_reason"]
             if ref is not None:
@@ -629,7 +629,7 @@ def copy_engine_bench(device: torch.device, iters: int) -> dict:
     world (rendezvous, broadcast, barriers); rank 0 returns the results."""
     if device.type != "cuda" or dist.get_world_size() < 2:
         return {"error": "skipped: needs >= 2 CUDA GPUs"}
-    from torchtitan_tide.comm.transport.copy_engine import SymmSlots
+    from torchtitan_tide.comm.transports.copy_engine import SymmSlots
 
     rank = dist.get_rank()
     chunk = CE_BYTES // CE_COPIES // 16 * 16
@@ -661,7 +661,7 @@ def _pull_modes(
 ) -> None:
     """Rank 0 part of :func:`copy_engine_bench`: time the three pull modes from
     rank 1 into ``out["modes"]`` and check each against ``data`` once."""
-    from torchtitan_tide.comm.transport.copy_engine import batch_copy
+    from torchtitan_tide.comm.transports.copy_engine import batch_copy
 
     peer = 1
     stream = torch.cuda.Stream(device=device)

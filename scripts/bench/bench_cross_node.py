@@ -104,7 +104,7 @@ def _build(args: argparse.Namespace, device: torch.device) -> nn.Module:
 
 def _sent_bytes(model: nn.Module) -> int:
     """Cross-node bytes this rank's TIDE transports posted so far (AG + RS phase 2)."""
-    from torchtitan_tide.comm import fsdp_patch
+    from torchtitan_tide.comm.fsdp import patch as fsdp_patch
 
     seen, total = set(), 0
     for _, group in fsdp_patch.fsdp_param_groups(model):
@@ -120,7 +120,7 @@ def _fsdp2_wire_bytes(model: nn.Module, world: int, nodes: int) -> int:
     per step, on average: (W-1) padded shards per collective, N of the ring's W hops cross
     nodes; each layer group is gathered twice (forward, and backward after resharding), the
     root once (FSDP2 keeps it unsharded after forward), and every group is reduced once."""
-    from torchtitan_tide.comm import fsdp_internals
+    from torchtitan_tide.comm.fsdp import internals as fsdp_internals
 
     total = 0
     for fqn, group in fsdp_internals.fsdp_param_groups(model):
@@ -133,7 +133,7 @@ def _fsdp2_wire_bytes(model: nn.Module, world: int, nodes: int) -> int:
 def _in_place_counts(model: nn.Module) -> dict[str, int]:
     """Running totals of this rank's window transports: all-gathers delivered in place into
     parameter storage and placement copies (empty off the window transport)."""
-    from torchtitan_tide.comm import fsdp_patch
+    from torchtitan_tide.comm.fsdp import patch as fsdp_patch
 
     seen, totals = set(), {}
     for _, group in fsdp_patch.fsdp_param_groups(model):
@@ -150,8 +150,8 @@ def _time_host_issue(model: nn.Module) -> dict:
     """Wrap this rank's TIDE entry points to add the host seconds spent issuing them: TIDE-AG
     (the window transport's bind and rounds, or the transport's gather: not FSDP2's or the
     run-ahead bound's waits) and TIDE-RS (its whole reduce). Returns the running totals."""
-    from torchtitan_tide.comm import fsdp_patch
-    from torchtitan_tide.comm import reduce_scatter as tide_rs
+    from torchtitan_tide.comm.fsdp import patch as fsdp_patch
+    from torchtitan_tide.comm.fsdp import reduce_scatter as tide_rs
 
     host: dict = {}
 
@@ -208,7 +208,7 @@ def _op_line(op) -> str:
 
 
 def _last_ag_ops(model: nn.Module) -> list[str]:
-    from torchtitan_tide.comm import fsdp_patch
+    from torchtitan_tide.comm.fsdp import patch as fsdp_patch
 
     for fqn, group in fsdp_patch.fsdp_param_groups(model):
         transport = group._tide_ag_state.transport

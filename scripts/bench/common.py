@@ -139,7 +139,7 @@ def _nccl_version() -> str | None:
     import torch
 
     try:
-        from torchtitan_tide.comm.transport import nccl_rma
+        from torchtitan_tide.comm.transports.windows import nccl_rma
 
         if (code := nccl_rma.nccl_version()) is not None:
             return nccl_rma.version_text(code)

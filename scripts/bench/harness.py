@@ -429,7 +429,7 @@ def build_fsdp_layer(
     FSDPParamGroup)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from torchtitan_tide.comm.fsdp_patch import fsdp_param_groups
+    from torchtitan_tide.comm.fsdp.internals import fsdp_param_groups
 
     block = ParamBlock(spec, device)
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)

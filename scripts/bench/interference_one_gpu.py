@@ -26,13 +26,13 @@ Beside them, on a side stream, the engines (``side``), each repeated to about
   ranks (``torch._foreach_copy_``, the multi-launch kernel every mode's all-gather runs).
 - ``accumulate``: TIDE-RS's accumulate kernel (``comm.kernels.accumulate_rows``, its
   default launch) on two bf16 rows of that shard into fp32.
-- ``local_copy_ce``: ONE ``cudaMemcpyBatchAsync`` (``comm.transport.copy_engine.batch_copy``:
+- ``local_copy_ce``: ONE ``cudaMemcpyBatchAsync`` (``comm.transports.copy_engine.batch_copy``:
   source order, location hints, ``PreferOverlapWithCompute``) of a 256 MiB ``uint8`` buffer
   into another on the same GPU: a local HBM-to-HBM copy the driver is asked to run on the
   copy engine (a same-device ``copy_``, the ``copy_engine`` side, is the driver's choice).
 - ``local_batch_ce``: the same call with many per-parameter copies: one wave of
   placement, 8 window entries x the 9 shards of a Llama-3.1-70B layer at 64 ranks (72
-  copies, 205 MiB), as ``transport/windows.py`` places and packs (Place, PackSlices).
+  copies, 205 MiB), as ``transports/windows/transport.py`` places and packs (Place, PackSlices).
 
 The rows of every side also give its rate (``side_gib_s_alone`` / ``_beside``: bytes
 copied per second of its device time), the local copy rate the simulator charges
@@ -210,7 +210,7 @@ def _batch_side(device, sizes: list[int]) -> Callable[[], None]:
     the current stream (``copy_engine.batch_copy``, as placement runs it)."""
     import torch
 
-    from torchtitan_tide.comm.transport.copy_engine import batch_copy
+    from torchtitan_tide.comm.transports.copy_engine import batch_copy
 
     src = torch.randint(0, 255, (sum(sizes),), device=device, dtype=torch.uint8)
     dst = torch.empty_like(src)
@@ -251,7 +251,7 @@ def build_side(name: str, device, small: bool) -> Callable[[], None]:
         dsts = [torch.empty_like(t, dtype=torch.bfloat16) for t in shards]
         return lambda: torch._foreach_copy_(dsts, shards)
     if name == "accumulate":
-        from torchtitan_tide.comm import kernels
+        from torchtitan_tide.comm.base import kernels
 
         numel = sum(sizes)
         rows = torch.randn(2, numel, device=device, dtype=torch.bfloat16)

@@ -118,7 +118,7 @@ def _layout_worker(
 ) -> None:
     """All modes and distributions of one layout; rank 0 writes ``out[layout]`` and the
     TIDE-AG transport its groups ran (``cuda``: every rank on GPU 0, NCCL windows)."""
-    from torchtitan_tide.comm import reduce_scatter as tide_rs
+    from torchtitan_tide.comm.fsdp import reduce_scatter as tide_rs
 
     tide_rs.set_poison(float("nan"))  # every TIDE-RS buffer poisoned before it is written
     nodes = world // lws
@@ -216,7 +216,7 @@ def _layout_worker(
 def wire_bytes(layer_numel_rows: dict[str, tuple[int, ...]], nodes: int, local: int) -> dict:
     """Cross-node bytes per rank per reduce of one layer (plan): ``(N - 1) x shard x itemsize``,
     shard = the padded per-rank shard (FSDP2: ceil(dim 0 / W) rows)."""
-    from torchtitan_tide.comm.memory_plan import GroupShape, group_shard_numel
+    from torchtitan_tide.comm.plans.memory_plan import GroupShape, group_shard_numel
 
     world = nodes * local
     shard = group_shard_numel(GroupShape("layer", tuple(layer_numel_rows.values())), world)

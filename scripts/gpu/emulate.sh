@@ -93,7 +93,7 @@ fi
 
 if [[ "$mode" == one_node ]]; then
   why=$(PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c \
-    'from torchtitan_tide.comm.transport.nccl_rma import multi_rank_gpu_missing_reason as r; print(r() or "")') \
+    'from torchtitan_tide.comm.transports.windows.nccl_rma import multi_rank_gpu_missing_reason as r; print(r() or "")') \
     || die "could not read the NCCL version (torch import failed)"
   [[ -z "$why" ]] || die "--mode one_node: $why"
 fi

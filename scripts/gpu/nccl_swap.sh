@@ -40,7 +40,7 @@ target="${NCCL_LIB:-}"
 if [[ -z "$target" ]]; then
   # The file torch maps at import (its RPATH copy), else the nvidia-nccl wheel's.
   target=$(PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c 'import os
-from torchtitan_tide.comm.transport.nccl_rma import library_path
+from torchtitan_tide.comm.transports.windows.nccl_rma import library_path
 def wheel():
     try:
         import nvidia.nccl

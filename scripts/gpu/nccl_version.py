@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
-from torchtitan_tide.comm.transport import nccl_rma
+from torchtitan_tide.comm.transports.windows import nccl_rma
 
 
 def main() -> int:

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from torchtitan_tide.comm.memory_plan import CommDtypes, GroupShape
+from torchtitan_tide.comm.plans.memory_plan import CommDtypes, GroupShape
 from torchtitan_tide.simulator import cli, cluster, inputs, network, report
 from torchtitan_tide.simulator import step as sim
 from torchtitan_tide.simulator.engine import Op, SimulationError, simulate, summarize

@@ -13,8 +13,8 @@ from dataclasses import replace
 
 import pytest
 
-from torchtitan_tide.comm import window_rounds as wr
-from torchtitan_tide.comm.memory_plan import group_shard_numel
+from torchtitan_tide.comm.plans import window_rounds as wr
+from torchtitan_tide.comm.plans.memory_plan import group_shard_numel
 from torchtitan_tide.simulator import cluster, inputs, interference, network, report
 from torchtitan_tide.simulator import step as sim
 from torchtitan_tide.simulator.engine import Op, merge, simulate
@@ -214,7 +214,7 @@ def test_in_place_at_several_ranks_per_node_is_read_from_the_plan(monkeypatch):
     """In place where the plan runs in place: at one rank per node (no Place op), not at
     8 x 8 today (``ag_in_place_ops`` refuses it); when the plan accepts N x L the
     simulation takes it with no edit."""
-    from torchtitan_tide.comm.plan import WorldLayout
+    from torchtitan_tide.comm.plans.plan import WorldLayout
     from torchtitan_tide.simulator import plans
 
     assert plans.in_place_at(WorldLayout(8, 1)) and not plans.in_place_at(WorldLayout(64, 8))
@@ -247,9 +247,9 @@ def test_auto_takes_what_the_codes_topology_takes():
     ``auto`` for one and several nodes, one and several ranks per node, both NCCLs and
     both cross-node options."""
     torch = pytest.importorskip("torch")
-    from torchtitan_tide.comm import topology
     from torchtitan_tide.comm.options import TideOptions
-    from torchtitan_tide.comm.plan import WorldLayout
+    from torchtitan_tide.comm.plans import topology
+    from torchtitan_tide.comm.plans.plan import WorldLayout
 
     dtypes = _cm("llama70b_tide").dtypes
     for world, local in ((2, 1), (8, 1), (8, 8), (64, 8), (16, 4)):

@@ -243,41 +243,6 @@ def test_interference_grouped_gemm_is_every_experts_matmul():
     )
 
 
-def _sibling_imports(path: Path) -> set[str]:
-    """The modules of ``path``'s own folder that it imports, at load or inside a function."""
-    import ast
-
-    siblings = {p.stem for p in path.parent.glob("*.py")}
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            found.add(node.module.split(".")[0])
-    return (found & siblings) - {path.stem}
-
-
-def test_no_import_circle_in_scripts():
-    """No module of a scripts/ folder imports, at load or lazily, a sibling that imports it
-    back (directly or through others): bench_interference.py and interference_one_gpu.py
-    did (issue 46); the GEMMs both time live in gemms.py."""
-    for folder in sorted({p.parent for p in (REPO / "scripts").rglob("*.py")}):
-        graph = {p.stem: _sibling_imports(p) for p in folder.glob("*.py")}
-
-        def reach(start: str, graph=graph) -> set[str]:
-            seen, todo = set(), list(graph[start])
-            while todo:
-                name = todo.pop()
-                if name not in seen:
-                    seen.add(name)
-                    todo += graph.get(name, ())
-            return seen
-
-        circles = sorted(name for name in graph if name in reach(name))
-        assert not circles, f"{folder.relative_to(REPO)}: import circle through {circles}"
-    assert "bench_interference" not in _sibling_imports(BENCH / "interference_one_gpu.py")
-
-
 def test_interference_rows_and_files(tmp_path):
     results = _data("interference_raw.json")
     results["config"]["stem"] = str(tmp_path / "2026-12-01_nvidia-h200-x-2_abc1234_interference")

@@ -192,9 +192,9 @@ def run_parity(
     but drops the after-all-gather host check, so GPU stream races are not
     hidden by synchronization; unwritten elements then show up as NaN losses."""
     from torchtitan_tide import comm
-    from torchtitan_tide.comm import all_gather as tide_ag
-    from torchtitan_tide.comm import fsdp_patch
-    from torchtitan_tide.comm import reduce_scatter as tide_rs
+    from torchtitan_tide.comm.fsdp import all_gather as tide_ag
+    from torchtitan_tide.comm.fsdp import patch as fsdp_patch
+    from torchtitan_tide.comm.fsdp import reduce_scatter as tide_rs
 
     device = (
         torch.device("cuda", torch.cuda.current_device())

@@ -56,9 +56,9 @@ from torchtitan.models.qwen3.infra.parallelize import parallelize_qwen3
 from torchtitan.models.qwen3.model.model import Qwen3Model
 
 from torchtitan_tide import comm as tide_comm
-from torchtitan_tide.comm import all_gather as tide_ag
-from torchtitan_tide.comm import fsdp_patch
-from torchtitan_tide.comm import reduce_scatter as tide_rs
+from torchtitan_tide.comm.fsdp import all_gather as tide_ag
+from torchtitan_tide.comm.fsdp import patch as fsdp_patch
+from torchtitan_tide.comm.fsdp import reduce_scatter as tide_rs
 from torchtitan_tide.config import Tide
 from torchtitan_tide.device import use_cpu_device
 from torchtitan_tide.train import use_cpu_moe_kernels

@@ -1,4 +1,4 @@
-"""Replay every rank's window ops (``comm/window_rounds.py``) as the GPU would run them, and
+"""Replay every rank's window ops (``comm/plans/window_rounds.py``) as the GPU would run them, and
 check them: no data race, every read sees the bytes it expects, no deadlock.
 
 Semantics replayed (NCCL's, docs/design/2026-12-04-windows.md): the ops of one (rank, stream) run in
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
-from torchtitan_tide.comm.window_rounds import (
+from torchtitan_tide.comm.plans.window_rounds import (
     Accumulate,
     Fork,
     PackOwn,

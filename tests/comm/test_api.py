@@ -8,7 +8,7 @@ from torch import nn
 
 from torchtitan_tide import comm
 from torchtitan_tide.comm import TideOptions
-from torchtitan_tide.comm.topology import resolve_local_world_size
+from torchtitan_tide.comm.plans.topology import resolve_local_world_size
 
 
 def test_apply_on_non_fsdp_model_raises():
@@ -67,8 +67,8 @@ def _remove_and_fallback(rank: int, world_size: int) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
-    from torchtitan_tide.comm import all_gather as tide_ag
-    from torchtitan_tide.comm import fsdp_patch
+    from torchtitan_tide.comm.fsdp import all_gather as tide_ag
+    from torchtitan_tide.comm.fsdp import patch as fsdp_patch
 
     orig_ag, orig_out = fpg.foreach_all_gather, fpg.foreach_all_gather_copy_out
     calls = []

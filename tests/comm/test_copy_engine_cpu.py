@@ -32,9 +32,9 @@ class _GlooBarrier:
 def _use_shared_memory_copy_engine(buffers):
     """Swap every TIDE group's transport for a copy engine whose node-local
     peers' slots are the shared-memory ``buffers`` (indexed by group rank)."""
-    from torchtitan_tide.comm import fsdp_patch
-    from torchtitan_tide.comm.plan import cross_node_exchanges
-    from torchtitan_tide.comm.transport.copy_engine import CopyEngineTransport, SymmSlots
+    from torchtitan_tide.comm.fsdp import patch as fsdp_patch
+    from torchtitan_tide.comm.plans.plan import cross_node_exchanges
+    from torchtitan_tide.comm.transports.copy_engine import CopyEngineTransport, SymmSlots
 
     def post_apply(model):
         transport = None
@@ -80,8 +80,8 @@ def _worker(rank, world_size, buffers, options):
 
 
 def _node_group_worker(rank, world_size):
-    from torchtitan_tide.comm.plan import WorldLayout
-    from torchtitan_tide.comm.topology import make_node_local_group
+    from torchtitan_tide.comm.plans.plan import WorldLayout
+    from torchtitan_tide.comm.plans.topology import make_node_local_group
 
     world = dist.group.WORLD
     sub = make_node_local_group(world, WorldLayout(4, 2), dist.get_process_group_ranks(world))

@@ -63,9 +63,9 @@ class _ThreadBarrier:
 def test_copy_engine_reduce_rows_sums_every_ranks_slices(
     local_ranks, rows, divisor, monkeypatch
 ):
-    from torchtitan_tide.comm import kernels, streams
-    from torchtitan_tide.comm.plan import WorldLayout, build_rs_plan
-    from torchtitan_tide.comm.transport.copy_engine import CopyEngineTransport, SymmSlots
+    from torchtitan_tide.comm.base import kernels, streams
+    from torchtitan_tide.comm.plans.plan import WorldLayout, build_rs_plan
+    from torchtitan_tide.comm.transports.copy_engine import CopyEngineTransport, SymmSlots
 
     per_thread = threading.local()
 

@@ -180,7 +180,7 @@ def stand_in_nccl(tmp_path, monkeypatch):
         pytest.skip("needs a C compiler")
     import torch
 
-    from torchtitan_tide.comm.transport import nccl_rma
+    from torchtitan_tide.comm.transports.windows import nccl_rma
 
     def make(code: int) -> str:
         source = tmp_path / f"nccl{code}.c"
@@ -203,7 +203,7 @@ def stand_in_nccl(tmp_path, monkeypatch):
 @pytest.mark.parametrize("code, refused", [(22809, True), (23007, False)])
 def test_multi_rank_gpu_verdict_from_the_loaded_library(stand_in_nccl, code, refused):
     """The one-node tests' skip reason comes from the library's own ncclGetVersion."""
-    from torchtitan_tide.comm.transport import nccl_rma
+    from torchtitan_tide.comm.transports.windows import nccl_rma
 
     lib = stand_in_nccl(code)
     assert nccl_rma.nccl_version() == code

@@ -39,7 +39,7 @@ from _emulation import log_tail as nccl_log_tail
 from _harness import spawn
 from _layouts import Layout, run_layout
 
-from torchtitan_tide.comm.transport.nccl_rma import multi_rank_gpu_missing_reason
+from torchtitan_tide.comm.transports.windows.nccl_rma import multi_rank_gpu_missing_reason
 
 
 def gpu_emulation(test):

@@ -34,7 +34,7 @@ def _deterministic() -> None:
 
 def _gpu_parity(rank: int, world_size: int, options: dict, expect: str) -> None:
     _deterministic()
-    from torchtitan_tide.comm.transport import copy_engine
+    from torchtitan_tide.comm.transports import copy_engine
 
     # TIDE-RS divides after its fp32 sum, NCCL may pre-multiply: allow 1e-5.
     tol = 0.0 if options.get("reduce_scatter") == "fsdp2" else 1e-5
@@ -88,7 +88,7 @@ def test_gpu_parity(options, expect):
 def _batch_copy_exact(rank: int, world_size: int, n_copies: int) -> None:
     """ONE cudaMemcpyBatchAsync of n_copies peer copies from symmetric memory
     lands exactly (the 576-copy case of the issue), on a non-default stream."""
-    from torchtitan_tide.comm.transport.copy_engine import SymmSlots, batch_copy
+    from torchtitan_tide.comm.transports.copy_engine import SymmSlots, batch_copy
 
     device = torch.device("cuda", rank)
     group = dist.group.WORLD
@@ -135,8 +135,8 @@ def _ce_barrier_orders_writes(rank: int, world_size: int, rounds: int) -> None:
     stream), barriers, and reads what the peer copied into its own slot; every
     round must see the peer's values of that round (nothing stale, no hang). No
     host synchronization between rounds: only the barrier orders the streams."""
-    from torchtitan_tide.comm.transport import copy_engine
-    from torchtitan_tide.comm.transport.copy_engine import SymmSlots
+    from torchtitan_tide.comm.transports import copy_engine
+    from torchtitan_tide.comm.transports.copy_engine import SymmSlots
 
     device = torch.device("cuda", rank)
     numel = 1 << 18  # fp32 elements per slot
@@ -173,7 +173,7 @@ def _gpu_rs_numerics(rank: int, world_size: int, options: dict) -> None:
     outputs, on CUDA (copy engine / NCCL p2p, Triton kernel)."""
     from test_reduce_scatter_cpu import _numerics_worker
 
-    from torchtitan_tide.comm import kernels
+    from torchtitan_tide.comm.base import kernels
 
     assert kernels.triton_status() == "triton", kernels.triton_status()
     _numerics_worker(rank, world_size, options, torch.bfloat16)

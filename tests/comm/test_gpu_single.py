@@ -17,10 +17,10 @@ pytestmark = [
 
 
 def _barrier_driver_calls(rank: int, world_size: int) -> None:
-    from torchtitan_tide.comm.plan import WorldLayout
-    from torchtitan_tide.comm.topology import local_peer_access, local_rank_info
-    from torchtitan_tide.comm.transport import copy_engine
-    from torchtitan_tide.comm.transport.copy_engine import SymmSlots
+    from torchtitan_tide.comm.plans.plan import WorldLayout
+    from torchtitan_tide.comm.plans.topology import local_peer_access, local_rank_info
+    from torchtitan_tide.comm.transports import copy_engine
+    from torchtitan_tide.comm.transports.copy_engine import SymmSlots
 
     device = torch.device("cuda", 0)
     infos = [local_rank_info(device)]
@@ -64,8 +64,8 @@ def test_gpu_barrier_driver_calls_one_gpu():
 
 
 def _bounded_setup_one_gpu(rank: int, world_size: int) -> None:
-    from torchtitan_tide.comm.setup_steps import SetupSteps
-    from torchtitan_tide.comm.transport.copy_engine import SymmSlots
+    from torchtitan_tide.comm.base.setup_steps import SetupSteps
+    from torchtitan_tide.comm.transports.copy_engine import SymmSlots
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)

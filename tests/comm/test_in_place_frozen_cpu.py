@@ -1,6 +1,6 @@
 """TIDE-AG in place under partial fine-tuning (frozen layers), against stock FSDP2, on the
 CPU stand-in of NCCL's one-sided calls (``TIDE_RMA_STANDIN=1``, gloo ranks as nodes of one
-rank: the in-place path, ``transport/windows.py``).
+rank: the in-place path, ``transports/windows/transport.py``).
 
 Freezing the embedding and the first block makes FSDP2's backward prefetch all-gather that
 block from the second block's pre-backward; its backward never runs, and FSDP2's
@@ -40,8 +40,8 @@ MIDDLE = {  # frozen middle blocks of four: their backward runs (activations nee
 
 
 def _worker(rank: int, world: int, cases: dict, expect_dropped: bool) -> None:
-    from torchtitan_tide.comm import fsdp_patch
-    from torchtitan_tide.comm.transport import storage_swap
+    from torchtitan_tide.comm.fsdp import patch as fsdp_patch
+    from torchtitan_tide.comm.transports.windows import storage_swap
 
     os.environ["TIDE_RMA_STANDIN"] = "1"
     for label, layout in cases.items():

@@ -38,7 +38,7 @@ def _step(model: nn.Module) -> None:
 
 
 def _rs_calls(model: nn.Module) -> int:
-    from torchtitan_tide.comm.fsdp_internals import fsdp_param_groups
+    from torchtitan_tide.comm.fsdp.internals import fsdp_param_groups
 
     return sum(g._tide_rs_state.calls for _, g in fsdp_param_groups(model)
                if hasattr(g, "_tide_rs_state"))  # fmt: skip
@@ -53,8 +53,11 @@ class _NoTensorOps(TorchDispatchMode):
 
 def _cases(rank: int, world: int) -> None:
     from torchtitan_tide import comm
-    from torchtitan_tide.comm import fsdp_internals, fsdp_patch, install, topology
-    from torchtitan_tide.comm.install import TideInstallError
+    from torchtitan_tide.comm.fsdp import install
+    from torchtitan_tide.comm.fsdp import internals as fsdp_internals
+    from torchtitan_tide.comm.fsdp import patch as fsdp_patch
+    from torchtitan_tide.comm.fsdp.install import TideInstallError
+    from torchtitan_tide.comm.plans import topology
 
     records = _Records()
     logging.getLogger("torchtitan_tide.comm").addHandler(records)  # every comm module
@@ -79,8 +82,8 @@ def _cases(rank: int, world: int) -> None:
     # 2. A failure in the local allocation on rank 1, then in the collective set-up on
     # rank 0 only: every rank raises naming the phase and the rank, and nothing stays
     # marked (the groups take FSDP2's path; a retry works).
-    for phase, failing_rank, name in (("allocation", 1, "_allocate_slots"),
-                                      ("set-up", 0, "_connect_slots")):  # fmt: skip
+    for phase, failing_rank, name in (("allocation", 1, "allocate_slots"),
+                                      ("set-up", 0, "connect_slots")):  # fmt: skip
         real = getattr(install, name)
 
         def fails(*args, _phase=phase, **kwargs):
@@ -194,13 +197,13 @@ def _cases(rank: int, world: int) -> None:
     assert sorted(roots.values()) == ["0", "1"]
     # Caches keyed by process group die with the last TIDE model (no stale peers for a
     # group created later at a reused address).
-    from torchtitan_tide.comm import transport
+    from torchtitan_tide.comm.base import ranks
 
     comm.apply(top, "tide")
     _step(top)
-    assert transport._GLOBAL_RANKS
+    assert ranks._GLOBAL_RANKS
     comm.remove(top)
-    assert fsdp_patch.installed_refcount() == 0 and not transport._GLOBAL_RANKS
+    assert fsdp_patch.installed_refcount() == 0 and not ranks._GLOBAL_RANKS
 
     # 9. replicate() (replicate-only mesh): FSDP2's path, logged, no assertion.
     replicate = pytest.importorskip("torch.distributed._composable.replicate_with_fsdp").replicate
@@ -224,7 +227,7 @@ def test_world_of_one_rank_runs_no_collective():
 
 def _one_rank(rank: int, world: int) -> None:
     from torchtitan_tide import comm
-    from torchtitan_tide.comm import fsdp_patch
+    from torchtitan_tide.comm.fsdp import patch as fsdp_patch
 
     real_gather = dist.all_gather_object
     dist.all_gather_object = None  # any collective of apply would fail

@@ -43,9 +43,11 @@ def _assert_stock(model: nn.Module, hooks_before: int) -> None:
     """Nothing of TIDE is left on ``model``: no mark, no hook, FSDP2's functions."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fpg
 
-    from torchtitan_tide.comm import fsdp_internals, fsdp_patch, transport
+    from torchtitan_tide.comm.base import ranks
+    from torchtitan_tide.comm.fsdp import internals as fsdp_internals
+    from torchtitan_tide.comm.fsdp import patch as fsdp_patch
 
-    assert fsdp_patch.installed_refcount() == 0 and not transport._GLOBAL_RANKS
+    assert fsdp_patch.installed_refcount() == 0 and not ranks._GLOBAL_RANKS
     assert not hasattr(model, "_tide_comm_mode") and not hasattr(model, "_tide_ag_installed")
     for _, g in fsdp_internals.fsdp_param_groups(model):
         assert not hasattr(g, "_tide_ag_state") and not hasattr(g, "_tide_rs_state")
@@ -58,7 +60,7 @@ def _assert_stock(model: nn.Module, hooks_before: int) -> None:
 
 def _fallback_cases(rank: int, records: _Records) -> None:
     """Item: an install error (here: topology on rank 1) with and without fallback."""
-    from torchtitan_tide.comm import topology
+    from torchtitan_tide.comm.plans import topology
     from torchtitan_tide.config import Tide
     from torchtitan_tide.train_specs import CommModeError, apply_comm_mode
 
@@ -94,10 +96,10 @@ def _setup_cases(rank: int, records: _Records) -> None:
     import torch.distributed._symmetric_memory as symm_mem
 
     from torchtitan_tide import comm
-    from torchtitan_tide.comm import topology
-    from torchtitan_tide.comm.install import TideInstallError
-    from torchtitan_tide.comm.memory_plan import slot_alloc_bytes
-    from torchtitan_tide.comm.transport.copy_engine import SymmSlots
+    from torchtitan_tide.comm.fsdp.install import TideInstallError
+    from torchtitan_tide.comm.plans import topology
+    from torchtitan_tide.comm.plans.memory_plan import slot_alloc_bytes
+    from torchtitan_tide.comm.transports.copy_engine import SymmSlots
 
     store = dist.distributed_c10d._get_default_store()
     store.set_timeout(timedelta(seconds=40))  # the store/group timeout (minutes in a job)
@@ -144,7 +146,7 @@ def _setup_cases(rank: int, records: _Records) -> None:
 
 
 def _rs_calls(model: nn.Module) -> int:
-    from torchtitan_tide.comm.fsdp_internals import fsdp_param_groups
+    from torchtitan_tide.comm.fsdp.internals import fsdp_param_groups
 
     return sum(g._tide_rs_state.calls for _, g in fsdp_param_groups(model)
                if hasattr(g, "_tide_rs_state"))  # fmt: skip
@@ -204,7 +206,7 @@ def _branch_cases(rank: int) -> None:
     parameters and FSDP2's setting (not a transport error); with the setting, TIDE-RS
     equals stock FSDP2 with it."""
     from torchtitan_tide import comm
-    from torchtitan_tide.comm.reduce_scatter import GradientSetMismatch
+    from torchtitan_tide.comm.fsdp.reduce_scatter import GradientSetMismatch
 
     def branchy() -> nn.Module:
         torch.manual_seed(0)
@@ -238,7 +240,7 @@ def _node_group_case(rank: int) -> None:
     rank 1 fails before it joins; rank 0 raises at once, naming rank 1 (bare, it waits
     in the barrier for the group timeout). Last: the abandoned barrier thread keeps the
     default store client and torch's group counter differs across ranks afterwards."""
-    from torchtitan_tide.comm.setup_steps import SetupFailed, SetupSteps
+    from torchtitan_tide.comm.base.setup_steps import SetupFailed, SetupSteps
 
     steps = SetupSteps(install=10**6, timeout_s=3)
 
@@ -278,7 +280,7 @@ def _other_group_failure_case(rank: int, world: int) -> None:
     and 1: the job-wide agreement makes every rank fall back together (or raise)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from torchtitan_tide.comm import topology
+    from torchtitan_tide.comm.plans import topology
     from torchtitan_tide.config import Tide
     from torchtitan_tide.train_specs import CommModeError, apply_comm_mode
 

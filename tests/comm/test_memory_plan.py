@@ -8,7 +8,7 @@ import pytest
 from torch import nn
 
 from torchtitan_tide import fsdp_groups, memory_report
-from torchtitan_tide.comm.memory_plan import (
+from torchtitan_tide.comm.plans.memory_plan import (
     CommDtypes,
     GroupShape,
     aligned_group_bytes,
@@ -281,9 +281,9 @@ def test_one_sided_windows_are_counted():
     (2N packed shards at one rank per node) plus TIDE-RS's rows in one window, the phase-2
     ring of 2K regions of the largest fp32 shard (256-byte rounded) whatever N; send/recv's
     ring is (K + 1) fp32 shards."""
-    from torchtitan_tide.comm.memory_plan import CommDtypes, GroupShape, plan_memory
-    from torchtitan_tide.comm.transport.one_sided import rs_ring_bytes
-    from torchtitan_tide.comm.window_rounds import window_layout
+    from torchtitan_tide.comm.plans.memory_plan import CommDtypes, GroupShape, plan_memory
+    from torchtitan_tide.comm.plans.window_rounds import window_layout
+    from torchtitan_tide.comm.transports.windows.ring import rs_ring_bytes
 
     groups = [GroupShape("layer", ((1000, 64),))]
     dtypes = CommDtypes(param_bytes=2, reduce_bytes=4, master_bytes=4)

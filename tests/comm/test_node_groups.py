@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from torchtitan_tide.comm import topology
 from torchtitan_tide.comm.options import TideOptions
-from torchtitan_tide.comm.plan import WorldLayout
+from torchtitan_tide.comm.plans import topology
+from torchtitan_tide.comm.plans.plan import WorldLayout
 
 NODES, GPUS = 2, 8
 

@@ -17,8 +17,8 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from torchtitan_tide.comm.options import TideOptionError, TideOptions
-from torchtitan_tide.comm.transport import nccl_rma
-from torchtitan_tide.comm.transport.one_sided import rs_ring_bytes
+from torchtitan_tide.comm.transports.windows import nccl_rma
+from torchtitan_tide.comm.transports.windows.ring import rs_ring_bytes
 
 
 def _model() -> nn.Module:
@@ -35,8 +35,8 @@ def _model() -> nn.Module:
 
 def _cases(rank: int, world: int) -> None:
     from torchtitan_tide import comm
-    from torchtitan_tide.comm import fsdp_patch
-    from torchtitan_tide.comm.install import TideConfigError
+    from torchtitan_tide.comm.fsdp import patch as fsdp_patch
+    from torchtitan_tide.comm.fsdp.install import TideConfigError
 
     records = LogRecords()
     logging.getLogger("torchtitan_tide.comm").addHandler(records)

@@ -58,7 +58,7 @@ def _spawn(fn, mode: str, *args, world_size: int = 2) -> None:
 
 
 def _loaded_nccl() -> int:
-    from torchtitan_tide.comm.transport import nccl_rma
+    from torchtitan_tide.comm.transports.windows import nccl_rma
 
     return nccl_rma.nccl_version() or 0
 
@@ -94,10 +94,10 @@ def _parity(rank: int, world_size: int, transport: str) -> None:
     import torch.nn.functional as F
 
     from torchtitan_tide import comm
-    from torchtitan_tide.comm import all_gather as tide_ag
-    from torchtitan_tide.comm import fsdp_patch
-    from torchtitan_tide.comm import reduce_scatter as tide_rs
-    from torchtitan_tide.comm.transport.windows import WindowTransport
+    from torchtitan_tide.comm.fsdp import all_gather as tide_ag
+    from torchtitan_tide.comm.fsdp import patch as fsdp_patch
+    from torchtitan_tide.comm.fsdp import reduce_scatter as tide_rs
+    from torchtitan_tide.comm.transports.windows.transport import WindowTransport
 
     device = torch.device("cuda", 0)
     records = _records()
@@ -231,7 +231,7 @@ def test_one_sided_step_runs_no_nccl_kernel(tmp_path):
 
 def _no_host_rma(rank: int, world_size: int) -> None:
     from torchtitan_tide import comm
-    from torchtitan_tide.comm.install import TideConfigError
+    from torchtitan_tide.comm.fsdp.install import TideConfigError
 
     device = torch.device("cuda", 0)
     records = _records()
@@ -277,8 +277,8 @@ def _bf16_wire(rank: int, world_size: int) -> None:
     import torch.nn.functional as F
 
     from torchtitan_tide import comm
-    from torchtitan_tide.comm import fsdp_patch
-    from torchtitan_tide.comm import reduce_scatter as tide_rs
+    from torchtitan_tide.comm.fsdp import patch as fsdp_patch
+    from torchtitan_tide.comm.fsdp import reduce_scatter as tide_rs
 
     device = torch.device("cuda", 0)
     tide_rs.set_poison(float("nan"))

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from torchtitan_tide.comm.plan import (
+from torchtitan_tide.comm.plans.plan import (
     ParamSpec,
     WorldLayout,
     build_group_plan,

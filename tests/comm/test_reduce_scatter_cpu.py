@@ -21,7 +21,12 @@ from _harness import spawn
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from torchtitan_tide.comm.plan import WorldLayout, rs_cross_node_peers, rs_schedule, rs_segments
+from torchtitan_tide.comm.plans.plan import (
+    WorldLayout,
+    rs_cross_node_peers,
+    rs_schedule,
+    rs_segments,
+)
 
 EPS32 = 2.0**-24
 
@@ -79,7 +84,7 @@ def test_accumulate_kernel_triton_interpreter_matches_torch():
     code = textwrap.dedent(
         """
         import torch
-        from torchtitan_tide.comm.kernels import accumulate_rows, _torch_accumulate
+        from torchtitan_tide.comm.base.kernels import accumulate_rows, _torch_accumulate
         g = torch.Generator().manual_seed(0)
         rows = (torch.randn(3, 5000, generator=g) * 10).bfloat16()
         prev = torch.randn(5000, generator=g)
@@ -127,7 +132,7 @@ def test_accumulate_kernel_compiles_for_hopper(divide, accumulate, streaming, ro
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from torchtitan_tide.comm import kernels
+    from torchtitan_tide.comm.base import kernels
 
     kernel = kernels._triton_kernel()
     runtime = {"rows_ptr": rows_dtype, "row_stride": "i32", "out_ptr": "*fp32", "numel": "i32",
@@ -195,7 +200,7 @@ def _named_fsdp_params(model: nn.Module) -> list[tuple[str, object]]:
 
 
 def _param_group(model: nn.Module):
-    from torchtitan_tide.comm.fsdp_patch import fsdp_param_groups
+    from torchtitan_tide.comm.fsdp.internals import fsdp_param_groups
 
     ((_, group),) = fsdp_param_groups(model)
     return group
@@ -252,15 +257,15 @@ def _numerics_worker(
     rank: int, world: int, options: dict, param_dtype, reduce_dtype=torch.float32
 ) -> None:
     from torchtitan_tide import comm
-    from torchtitan_tide.comm import fsdp_internals
-    from torchtitan_tide.comm import reduce_scatter as tide_rs
+    from torchtitan_tide.comm.fsdp import internals as fsdp_internals
+    from torchtitan_tide.comm.fsdp import reduce_scatter as tide_rs
 
     tide_rs.set_poison(float("nan"))
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("torchtitan_tide.comm.reduce_scatter").addHandler(handler)
-    logging.getLogger("torchtitan_tide.comm.reduce_scatter").setLevel(logging.INFO)
+    logging.getLogger("torchtitan_tide.comm.fsdp.reduce_scatter").addHandler(handler)
+    logging.getLogger("torchtitan_tide.comm.fsdp.reduce_scatter").setLevel(logging.INFO)
     grad_dtype = param_dtype or torch.float32
     model = _build(param_dtype, reduce_dtype=reduce_dtype)
     comm.apply(model, "tide", **options)
@@ -335,7 +340,7 @@ def _hsdp_worker(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from torchtitan_tide import comm
-    from torchtitan_tide.comm import reduce_scatter as tide_rs
+    from torchtitan_tide.comm.fsdp import reduce_scatter as tide_rs
 
     tide_rs.set_poison(float("nan"))
     shards = world // 2
@@ -392,7 +397,7 @@ def _fp16_worker(rank: int, world: int) -> None:
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("torchtitan_tide.comm.reduce_scatter").addHandler(handler)
+    logging.getLogger("torchtitan_tide.comm.fsdp.reduce_scatter").addHandler(handler)
     ref, tide = _build(torch.float16), _build(torch.float16)
     comm.apply(tide, "tide")
     gen = torch.Generator().manual_seed(7 + rank)
@@ -451,8 +456,8 @@ def test_which_reduces_take_fsdp2_path():
     FSDP2's path; HSDP (an all-reduce group) takes TIDE-RS
     (test_tide_rs_hsdp_with_partial_microbatch). Reduce dtypes as FSDP2 passes them: None =
     the gradients' dtype (torch <= 2.14), outputs = the sharded gradients' dtypes."""
-    from torchtitan_tide.comm.fsdp_internals import ReduceDtypes
-    from torchtitan_tide.comm.reduce_scatter import rs_unsupported_reason
+    from torchtitan_tide.comm.fsdp.internals import ReduceDtypes
+    from torchtitan_tide.comm.fsdp.reduce_scatter import rs_unsupported_reason
 
     bf16 = [torch.zeros(3, dtype=torch.bfloat16)]
     fp32, bf = torch.float32, torch.bfloat16
@@ -481,7 +486,7 @@ def test_which_reduces_take_fsdp2_path():
 def test_rs_push_slices_skip_padding():
     """Rank 0 of 1x2 in its second window pushes to peer 1 rank 1's slices: the
     13-row parameter's 6 valid rows of 7, nothing of the 1-element one."""
-    from torchtitan_tide.comm.plan import RSSlice, rs_push_slices
+    from torchtitan_tide.comm.plans.plan import RSSlice, rs_push_slices
 
     segments, _ = rs_segments([13 * 7, 1], [7 * 7, 1])
     layout = WorldLayout(2, 2)
@@ -503,8 +508,8 @@ def _bf16_nearest_even(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_round_to_wire_rounds_once_to_nearest_even():
-    from torchtitan_tide.comm import reduce_scatter as tide_rs
-    from torchtitan_tide.comm.reduce_scatter import RSBuffers, round_to_wire
+    from torchtitan_tide.comm.fsdp import reduce_scatter as tide_rs
+    from torchtitan_tide.comm.fsdp.reduce_scatter import RSBuffers, round_to_wire
 
     one = 1.0
     ties = [one + 2**-8, one + 3 * 2**-8, -(one + 2**-8), 2.0**100 * (one + 2**-8)]
@@ -531,8 +536,8 @@ def test_round_to_wire_rounds_once_to_nearest_even():
     again = round_to_wire(partial[:10] * 2, buffers)  # the same send buffer, reused
     assert again.data_ptr() == buffers.send.data_ptr() and again.numel() == 10
     # The torch-free itemsizes (simulator) match the dtypes the option selects.
+    from torchtitan_tide.comm.fsdp.reduce_scatter import WIRE_DTYPES
     from torchtitan_tide.comm.options import RS_WIRE_ITEMSIZE
-    from torchtitan_tide.comm.reduce_scatter import WIRE_DTYPES
 
     assert {k: v.itemsize for k, v in WIRE_DTYPES.items()} == RS_WIRE_ITEMSIZE
 
@@ -543,8 +548,8 @@ def test_one_sided_wire_slot_is_window_memory_no_peer_writes():
     receive region a peer puts into, and holds the largest partial in bf16."""
     from types import SimpleNamespace
 
-    from torchtitan_tide.comm.plan import WorldLayout
-    from torchtitan_tide.comm.transport.one_sided import OneSidedCrossNode, rs_ring_bytes
+    from torchtitan_tide.comm.plans.plan import WorldLayout
+    from torchtitan_tide.comm.transports.windows.ring import OneSidedCrossNode, rs_ring_bytes
 
     inflight, shard_bytes = 2, 1000 * 4
     buf = torch.zeros(rs_ring_bytes(inflight, shard_bytes, wire=True), dtype=torch.uint8)
@@ -580,13 +585,13 @@ def _wire_worker(rank: int, world: int, lws: int, param_dtype) -> None:
     and not bitwise the fp32-wire result (bitwise it, where every partial is one bf16
     gradient). Phase 2 sends (nodes - 1) x shard x itemsize of the wire dtype."""
     from torchtitan_tide import comm
-    from torchtitan_tide.comm import reduce_scatter as tide_rs
+    from torchtitan_tide.comm.fsdp import reduce_scatter as tide_rs
 
     tide_rs.set_poison(float("nan"))
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    for name in ("torchtitan_tide.comm.reduce_scatter", "torchtitan_tide.comm.install"):
+    for name in ("torchtitan_tide.comm.fsdp.reduce_scatter", "torchtitan_tide.comm.fsdp.install"):
         logging.getLogger(name).addHandler(handler)
         logging.getLogger(name).setLevel(logging.INFO)
     nodes, node = world // lws, rank // lws

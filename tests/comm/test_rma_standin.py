@@ -1,12 +1,12 @@
-"""The CPU stand-in of NCCL's one-sided calls (``transport/rma_standin.py``): the rules NCCL
-enforces, cumulative signal counting across processes, and the two deliberate faults."""
+"""The CPU stand-in of NCCL's one-sided calls (``transports/windows/rma_standin.py``): the rules
+NCCL enforces, cumulative signal counting across processes, and the two deliberate faults."""
 
 import pytest
 import torch
 import torch.distributed as dist
 from _harness import spawn
 
-from torchtitan_tide.comm.transport.rma_standin import (
+from torchtitan_tide.comm.transports.windows.rma_standin import (
     Faults,
     StandinError,
     StandinRma,

@@ -11,7 +11,7 @@ import threading
 
 import torch
 
-from torchtitan_tide.comm.setup_steps import SetupSteps
+from torchtitan_tide.comm.base.setup_steps import SetupSteps
 
 
 def _steps() -> SetupSteps:
@@ -42,7 +42,7 @@ def test_step_on_cpu_sets_no_device(monkeypatch):
 
 
 def test_store_polling_slows_down_with_the_world_size():
-    from torchtitan_tide.comm.setup_steps import default_poll_s
+    from torchtitan_tide.comm.base.setup_steps import default_poll_s
 
     assert default_poll_s(2) == default_poll_s(64) == 0.05
     assert default_poll_s(1024) == 1024 / 2000  # ~2000 store checks/s for the whole job

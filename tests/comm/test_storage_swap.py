@@ -1,4 +1,4 @@
-"""The storage swap TIDE-AG in place stands on (``comm/transport/storage_swap.py``): the
+"""The storage swap TIDE-AG in place stands on (``comm/transports/windows/storage_swap.py``): the
 native ``UntypedStorage._swap_data_ptr_`` and the ctypes exchange of the ``StorageImpl``
 fields that torch 2.11 (no native swap) gets where ``[tide] ag_storage_swap = "ctypes"`` asks
 for it, each checked through the public API on fresh random data: views follow for reads and
@@ -18,7 +18,7 @@ import signal
 import pytest
 import torch
 
-from torchtitan_tide.comm.transport import storage_swap
+from torchtitan_tide.comm.transports.windows import storage_swap
 
 DEVICES = [
     "cpu",

@@ -34,7 +34,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from torchtitan_tide import comm
 from torchtitan_tide.comm import symm_mem
-from torchtitan_tide.comm.fsdp_patch import fsdp_param_groups
+from torchtitan_tide.comm.fsdp.internals import fsdp_param_groups
 from torchtitan_tide.comm.symm_mem import (
     RegistrationStats,
     SymmMemAllGather,

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchtitan_tide.comm.memory_plan import (
+from torchtitan_tide.comm.options import TideOptions
+from torchtitan_tide.comm.plans.memory_plan import (
     CommDtypes,
     GroupShape,
     aligned_group_bytes,
@@ -15,9 +16,8 @@ from torchtitan_tide.comm.memory_plan import (
     slot_alloc_bytes,
     slot_sizes,
 )
-from torchtitan_tide.comm.options import TideOptions
-from torchtitan_tide.comm.plan import WorldLayout
-from torchtitan_tide.comm.topology import (
+from torchtitan_tide.comm.plans.plan import WorldLayout
+from torchtitan_tide.comm.plans.topology import (
     SHARED_GPU,
     RankInfo,
     backend_has_p2p,

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from torchtitan_tide.comm import watchdog
+from torchtitan_tide.comm.base import watchdog
 
 
 class _Recorder:

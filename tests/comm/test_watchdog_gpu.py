@@ -34,7 +34,7 @@ def _stalled_peer(
     import torch.nn.functional as F
 
     from torchtitan_tide import comm
-    from torchtitan_tide.comm import watchdog
+    from torchtitan_tide.comm.base import watchdog
 
     device = torch.device("cuda", rank if gpu is None else gpu)
     model = build(Scenario(bf16=True), device)
@@ -88,7 +88,7 @@ def test_stalled_peer_fails_the_other_rank_within_the_deadline(tmp_path, options
 def check_survivor_ended_by_watchdog(ctx, tmp_path) -> None:
     """Rank 0 of ``ctx`` (running ``_stalled_peer``) exits with the watchdog's code within
     the deadline and its report names rank 1; every process is gone afterwards."""
-    from torchtitan_tide.comm import watchdog
+    from torchtitan_tide.comm.base import watchdog
 
     survivor = ctx.processes[0]
     try:

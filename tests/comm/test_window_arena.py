@@ -1,9 +1,9 @@
 """TIDE-AG in place at any layout N nodes x L ranks: the arena allocator
-(``comm/window_arena.py``) and the in-place rounds (``window_rounds.ag_in_place_ops``) of
+(``comm/plans/window_arena.py``) and the in-place rounds (``window_rounds.ag_in_place_ops``) of
 every rank over a forward / backward-like sequence of unshards, reshards and TIDE-RS rounds,
 replayed against the checker of reads, writes and signals (``_window_replay.py``). The replay
-models what ``transport/windows.py`` issues: the own shards cast on ``main`` (after the own
-release events), the puts and waits (node-local on ``fan``, cross-node on ``put``), the
+models what ``transports/windows/transport.py`` issues: the own shards cast on ``main`` (after
+the own release events), the puts and waits (node-local on ``fan``, cross-node on ``put``), the
 compute stream reading every parameter and poisoning the range at reshard, the credits sent
 on the credit stream to every writer; an all-gather that finds the arena full takes the
 placement path (``ag_round_ops`` on the same window), and TIDE-RS rounds share its local
@@ -14,15 +14,15 @@ from __future__ import annotations
 import pytest
 from _window_replay import Replay, ReplayError
 
-from torchtitan_tide.comm.plan import (
+from torchtitan_tide.comm.plans.plan import (
     ParamSpec,
     WorldLayout,
     build_group_plan,
     build_rs_plan,
     packed_entry,
 )
-from torchtitan_tide.comm.window_arena import ARENA_ALIGN, WindowArena, aligned
-from torchtitan_tide.comm.window_rounds import (
+from torchtitan_tide.comm.plans.window_arena import ARENA_ALIGN, WindowArena, aligned
+from torchtitan_tide.comm.plans.window_rounds import (
     Fork,
     PackOwn,
     Place,

@@ -1,4 +1,4 @@
-"""The window protocol's rounds (``comm/window_rounds.py``) for every rank of N nodes x L,
+"""The window protocol's rounds (``comm/plans/window_rounds.py``) for every rank of N nodes x L,
 replayed against a checker of reads, writes and signals (``_window_replay.py``): offsets,
 parities, recursive doubling and the direct exchange (N no power of two), pacing, groups of
 different sizes, TIDE-RS rounds sharing the all-gather area (Slot-Reuse) or not. Pure
@@ -11,19 +11,19 @@ import dataclasses
 import pytest
 from _window_replay import Replay, ReplayError
 
-from torchtitan_tide.comm.plan import (
+from torchtitan_tide.comm.plans.plan import (
     ParamSpec,
     WorldLayout,
     build_group_plan,
     build_rs_plan,
+    entry_runs,
     packed_entry,
 )
-from torchtitan_tide.comm.window_rounds import (
+from torchtitan_tide.comm.plans.window_rounds import (
     Fork,
     PackOwn,
     Signal,
     ag_round_ops,
-    entry_runs,
     paced_pieces,
     ring_layout,
     ring_step_ops,
@@ -207,7 +207,7 @@ def test_ring_window_does_not_grow_with_nodes():
 def _ag_then_reduce_programs(nodes: int, lws: int, yield_to_ag: bool):
     """Every rank's host order of a backward: an in-place all-gather (the next layer's
     prefetch) issued, then the current layer's phase-2 steps (partials of 3 pieces)."""
-    from torchtitan_tide.comm.window_rounds import Put, ag_in_place_ops
+    from torchtitan_tide.comm.plans.window_rounds import Put, ag_in_place_ops
 
     layout = WorldLayout(nodes * lws, lws)
     shards = [8, 4]
@@ -260,9 +260,9 @@ def test_phase2_yields_the_nic_to_an_earlier_all_gather(nodes, lws):
 def test_every_stream_the_window_transports_run_on_is_registered():
     """Each CUDA stream the window transports name has a priority in ``streams`` (a name
     missing there raised only on a GPU: found on the H200 at 5e22c7e, ``tide_fan``)."""
-    from torchtitan_tide.comm import streams
-    from torchtitan_tide.comm.transport import one_sided, windows
+    from torchtitan_tide.comm.base import streams
+    from torchtitan_tide.comm.transports.windows import ring, transport
 
-    names = {*windows._STREAMS.values(), one_sided.AG_PUT_STREAM, "tide_one_sided_rs",
+    names = {*transport._STREAMS.values(), ring.AG_PUT_STREAM, "tide_one_sided_rs",
              "tide_credit"}  # fmt: skip
     assert names <= set(streams._PRIORITIES), names - set(streams._PRIORITIES)

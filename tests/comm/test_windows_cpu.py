@@ -1,12 +1,13 @@
-"""TIDE on NCCL windows (``transport/windows.py``, phase 2 over ``transport/one_sided.py``),
-end to end under FSDP2 on CPU: the real transports run their real ops against the CPU
-stand-in of NCCL's one-sided calls (``TIDE_RMA_STANDIN=1``, ``transport/rma_standin.py``),
-gloo ranks laid out N nodes x L. Checked against stock FSDP2: losses and parameters after
-every step (``_harness.run_parity``: TIDE-AG outputs NaN-poisoned before every all-gather,
-TIDE-RS outputs and window halves poisoned after their last read), the window transport and
-the phase-2 ring asserted to have moved the bytes. Also the set-up's failure path: a window
-allocation that fails on one rank makes every rank keep send/recv under ``auto`` at once,
-naming the rank, and is a named error under the explicit option.
+"""TIDE on NCCL windows (``transports/windows/transport.py``, phase 2 over
+``transports/windows/ring.py``), end to end under FSDP2 on CPU: the real transports run their
+real ops against the CPU stand-in of NCCL's one-sided calls (``TIDE_RMA_STANDIN=1``,
+``transports/windows/rma_standin.py``), gloo ranks laid out N nodes x L. Checked against
+stock FSDP2: losses and parameters after every step (``_harness.run_parity``: TIDE-AG outputs
+NaN-poisoned before every all-gather, TIDE-RS outputs and window halves poisoned after their
+last read), the window transport and the phase-2 ring asserted to have moved the bytes. Also
+the set-up's failure path: a window allocation that fails on one rank makes every rank keep
+send/recv under ``auto`` at once, naming the rank, and is a named error under the explicit
+option.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ SCENARIOS = [
 
 
 def _check_windows(expect_ring: bool):
-    from torchtitan_tide.comm import fsdp_patch
-    from torchtitan_tide.comm.transport.windows import WindowTransport
+    from torchtitan_tide.comm.fsdp import patch as fsdp_patch
+    from torchtitan_tide.comm.transports.windows.transport import WindowTransport
 
     seen = {}
 
@@ -50,7 +51,7 @@ def _check_windows(expect_ring: bool):
 
 def _parity_worker(rank: int, world: int, lws: int, tolerance: float, extra: dict,
                    expect_full: bool = False, swap: str = "native") -> None:  # fmt: skip
-    from torchtitan_tide.comm.transport import storage_swap
+    from torchtitan_tide.comm.transports.windows import storage_swap
 
     os.environ["TIDE_RMA_STANDIN"] = "1"
     if swap == "ctypes":  # as on torch 2.11, which lacks UntypedStorage._swap_data_ptr_
@@ -147,9 +148,10 @@ def _planted_failure(rank: int, world: int) -> None:
     import torch
 
     from torchtitan_tide import comm
-    from torchtitan_tide.comm import fsdp_patch, window_setup
-    from torchtitan_tide.comm.install import TideConfigError
-    from torchtitan_tide.comm.transport import rma_standin
+    from torchtitan_tide.comm.fsdp import patch as fsdp_patch
+    from torchtitan_tide.comm.fsdp.install import TideConfigError
+    from torchtitan_tide.comm.transports.windows import connect as window_setup
+    from torchtitan_tide.comm.transports.windows import rma_standin
 
     os.environ["TIDE_RMA_STANDIN"] = "1"
     records = LogRecords()
@@ -209,7 +211,7 @@ def test_a_failed_set_up_step_on_one_rank_falls_back_at_once_and_leaks_nothing()
 def _in_place_disagreement(rank: int, world: int) -> None:
     """One rank's storage swap does not check out (its trial fails): the group agrees to
     place on every rank (windows sized alike), the log names the rank; training matches."""
-    from torchtitan_tide.comm.transport import storage_swap
+    from torchtitan_tide.comm.transports.windows import storage_swap
 
     os.environ["TIDE_RMA_STANDIN"] = "1"
     if rank == 1:
@@ -268,8 +270,8 @@ def _interrupted_and_detached(rank: int, world: int) -> None:
     import torch
 
     from torchtitan_tide import comm
-    from torchtitan_tide.comm import all_gather as tide_ag
-    from torchtitan_tide.comm import fsdp_patch
+    from torchtitan_tide.comm.fsdp import all_gather as tide_ag
+    from torchtitan_tide.comm.fsdp import patch as fsdp_patch
 
     os.environ["TIDE_RMA_STANDIN"] = "1"
     model = build(Scenario(reshard_after_forward=False), torch.device("cpu"))

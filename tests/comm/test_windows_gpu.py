@@ -40,8 +40,8 @@ from _emulation import spawn_emulated
 from _layouts import Layout, run_layout
 
 from torchtitan_tide.comm import TideOptions
-from torchtitan_tide.comm.transport.nccl_rma import multi_rank_gpu_missing_reason
-from torchtitan_tide.comm.transport.storage_swap import swap_backend
+from torchtitan_tide.comm.transports.windows.nccl_rma import multi_rank_gpu_missing_reason
+from torchtitan_tide.comm.transports.windows.storage_swap import swap_backend
 
 pytestmark = [
     pytest.mark.gpu,

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torchtitan.train import Trainer
 
 import torchtitan_tide.train_specs  # noqa: F401 - the custom import this one stands in for
-from torchtitan_tide.comm import fsdp_patch
+from torchtitan_tide.comm.fsdp import patch as fsdp_patch
 
 _train_step = Trainer.train_step
 _tide_all_gather = fsdp_patch.tide_all_gather

@@ -63,7 +63,7 @@ def _remove_fsdp2(model: nn.Module) -> None:
 
 
 def _apply_tide(model: nn.Module, **options: object) -> None:
-    from . import install
+    from .fsdp import install
 
     install.install(model, TideOptions.from_kwargs(**options))
 
@@ -71,7 +71,7 @@ def _apply_tide(model: nn.Module, **options: object) -> None:
 # mode -> (apply_fn, remove_fn); other modules add modes with register_mode.
 _MODES: dict[str, tuple[ApplyFn, RemoveFn]] = {
     "fsdp2": (_apply_fsdp2, _remove_fsdp2),
-    "tide": (_apply_tide, _lazy("install", "uninstall")),
+    "tide": (_apply_tide, _lazy("fsdp.install", "uninstall")),
 }
 def register_mode(name: str, apply_fn: ApplyFn, remove_fn: RemoveFn) -> None:
     """Register (or replace) a comm mode. ``apply_fn(model, **options)`` must

@@ -37,7 +37,7 @@ the pool until ``zero_grad(set_to_none=True)``.
 
 FSDP internals read here: ``FSDPParamGroup._all_gather_comm`` / ``_reduce_scatter_comm`` /
 ``force_sum_reduction_for_comms`` (saved by apply, restored by remove, checked after
-install), the groups' process groups and device (through ``fsdp_internals.fsdp_param_groups``).
+install), the groups' process groups and device (through ``fsdp.internals.fsdp_param_groups``).
 Everything else goes through public ``FSDPModule`` methods.
 """
 
@@ -56,8 +56,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from . import streams
-from .fsdp_internals import fsdp_param_groups
+from .base import streams
+from .fsdp.internals import fsdp_param_groups
 
 __all__ = [
     "ZERO_CTA_ENV",

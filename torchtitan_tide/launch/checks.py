@@ -171,8 +171,8 @@ def check_run_values(table: dict, values: dict[str, str], world: World, tide: Ti
                 f"local_batch_size x data-parallel degree = {per_step} (or -1: no accumulation)"
             )
     if tide.comm == "tide":
-        from torchtitan_tide.comm.group_sizes import check_local_world_size, fsdp_group_sizes
         from torchtitan_tide.comm.options import TideOptionError
+        from torchtitan_tide.comm.plans.group_sizes import check_local_world_size, fsdp_group_sizes
 
         expert = {
             key: _as_number(f"parallelism.{name}", _setting(table, values, f"parallelism.{name}") or 1, int)

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     rc = subprocess.call(cmd, env=env)
     if rc != 0:
-        from torchtitan_tide.comm.watchdog import failure_summary
+        from torchtitan_tide.comm.base.watchdog import failure_summary
 
         if cause := failure_summary(run.job_config.job.dump_folder, since=started):
             print(f"run_train.sh: cause: {cause}", file=sys.stderr, flush=True)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from torchtitan_tide.comm import watchdog
+from torchtitan_tide.comm.base import watchdog
 from torchtitan_tide.preflight.report import EXIT_TIMEOUT
 
 TIMEOUT_ENV = "TIDE_PREFLIGHT_TIMEOUT_S"

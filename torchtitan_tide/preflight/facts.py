@@ -120,7 +120,7 @@ def rank_facts(device: torch.device, rank: int) -> dict[str, Any]:
         "local_rank": os.environ.get("LOCAL_RANK", ""),
     }
     if device.type == "cuda":
-        from torchtitan_tide.comm.transport import nccl_rma
+        from torchtitan_tide.comm.transports.windows import nccl_rma
 
         lib = _libcuda()
         index = device.index if device.index is not None else torch.cuda.current_device()

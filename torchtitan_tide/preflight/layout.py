@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchtitan_tide.comm import topology
 from torchtitan_tide.comm.options import TideOptions
-from torchtitan_tide.comm.plan import WorldLayout
+from torchtitan_tide.comm.plans import topology
+from torchtitan_tide.comm.plans.plan import WorldLayout
 from torchtitan_tide.preflight.bounds import Control
 
 

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchtitan_tide.comm import watchdog
+from torchtitan_tide.comm.base import watchdog
 from torchtitan_tide.preflight import facts, one_sided, parity, paths, rates
 from torchtitan_tide.preflight import model as small
 from torchtitan_tide.preflight.bounds import Control, bounded, check_timeout_s, end_rank
@@ -202,7 +202,7 @@ def run(args: list[str]) -> int:
             if no_fsdp:
                 pf.rows.append(Row("paths", "TIDE", "skip", no_fsdp))
             else:
-                from torchtitan_tide.comm.transport import nccl_rma
+                from torchtitan_tide.comm.transports.windows import nccl_rma
 
                 missing = nccl_rma.one_sided_missing_reason() if device.type == "cuda" else None
                 pf.rows += paths.rows(gathered, tide, device.type, missing)

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from torchtitan_tide.comm.transport import nccl_rma, rma_standin
+from torchtitan_tide.comm.transports.windows import nccl_rma, rma_standin
 from torchtitan_tide.config import Tide
 from torchtitan_tide.preflight.layout import JobLayout
 from torchtitan_tide.preflight.report import Row, ranks_text

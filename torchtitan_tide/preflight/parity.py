@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchtitan_tide.comm.fsdp_internals import fsdp_param_groups
+from torchtitan_tide.comm.fsdp.internals import fsdp_param_groups
 from torchtitan_tide.preflight import model as small
 from torchtitan_tide.preflight.layout import JobLayout
 from torchtitan_tide.preflight.report import Row, ranks_text

@@ -19,8 +19,8 @@ from typing import Any
 from torch import nn
 
 from torchtitan_tide import comm
-from torchtitan_tide.comm import install
-from torchtitan_tide.comm.fsdp_internals import fsdp_param_groups
+from torchtitan_tide.comm.fsdp import install
+from torchtitan_tide.comm.fsdp.internals import fsdp_param_groups
 from torchtitan_tide.config import Tide
 from torchtitan_tide.preflight.report import Row, ranks_text
 

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtitan_tide import comm
-from torchtitan_tide.comm import install
+from torchtitan_tide.comm.fsdp import install
 from torchtitan_tide.config import Tide
 from torchtitan_tide.preflight import model as small
 from torchtitan_tide.preflight.layout import JobLayout

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torchtitan_tide.comm.memory_plan import GroupShape
+from torchtitan_tide.comm.plans.memory_plan import GroupShape
 from torchtitan_tide.simulator.interference import ATTENTION, GROUPED, kernel_class
 from torchtitan_tide.simulator.results import SimulateError
 

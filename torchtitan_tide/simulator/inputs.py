@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from torchtitan_tide.comm.memory_plan import GroupShape
+from torchtitan_tide.comm.plans.memory_plan import GroupShape
 from torchtitan_tide.simulator import interference as itf
 from torchtitan_tide.simulator.cluster import GIB
 from torchtitan_tide.simulator.compute import (
@@ -232,7 +232,7 @@ def accumulate_rate(results_dir: Path) -> tuple[float, str]:
     phase 1 moves, ``8 S`` per group: 2 bf16 rows in, fp32 out). ``bench_accumulate``'s
     default kernel alone is quoted beside it. What the kernel takes from compute beside it
     is an interference figure (engine ``sm_rs``), no longer a whole-GPU share."""
-    from torchtitan_tide.comm.memory_plan import group_shard_numel
+    from torchtitan_tide.comm.plans.memory_plan import group_shard_numel
 
     name, row_mode = ACCUMULATE_STEP
     row = next(r for r in read_result(results_dir, name)["rows"] if r["mode"] == row_mode)

@@ -55,9 +55,9 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from torchtitan_tide.comm import window_rounds as wr
-from torchtitan_tide.comm.memory_plan import GroupShape, padded_shard_numel
-from torchtitan_tide.comm.plan import (
+from torchtitan_tide.comm.plans import window_rounds as wr
+from torchtitan_tide.comm.plans.memory_plan import GroupShape, padded_shard_numel
+from torchtitan_tide.comm.plans.plan import (
     GroupPlan,
     ParamSpec,
     RSPlan,

@@ -29,9 +29,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from torchtitan_tide.comm.memory_plan import GroupShape, group_shard_numel
 from torchtitan_tide.comm.options import RS_WIRE_ITEMSIZE
-from torchtitan_tide.comm.plan import WorldLayout
+from torchtitan_tide.comm.plans.memory_plan import GroupShape, group_shard_numel
+from torchtitan_tide.comm.plans.plan import WorldLayout
 from torchtitan_tide.simulator.cluster import GIB, Cluster, nccl_tuple
 from torchtitan_tide.simulator.engine import (
     COMPUTE,

@@ -25,8 +25,8 @@ windows freed), frees memory allocated and not registered, gives up the ids made
 as a reason: ``install`` falls back under ``auto`` and raises under an explicit option.
 Test hooks (:data:`FAIL_ON`) plant a failure at any step on chosen ranks.
 
-The API is NCCL's one-sided calls (``transport/nccl_rma.py``) for CUDA tensors on an NCCL
-group, or the CPU stand-in (``transport/rma_standin.py``) for CPU tensors on a gloo group
+The API is NCCL's one-sided calls (``transports/windows/nccl_rma.py``) for CUDA tensors on an NCCL
+group, or the CPU stand-in (``transports/windows/rma_standin.py``) for CPU tensors on a gloo group
 when ``TIDE_RMA_STANDIN=1`` (tests and the CPU preflight). Decisions:
 docs/design/2026-12-04-windows.md.
 """
@@ -40,8 +40,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .setup_steps import SetupFailed, SetupSteps
-from .transport import nccl_rma, rma_standin
+from ...base.ranks import group_global_ranks
+from ...base.setup_steps import SetupFailed, SetupSteps
+from . import nccl_rma, rma_standin
 
 __all__ = [
     "FAIL_ON", "NOT_NCCL", "STANDIN_ENV", "OneSidedApi", "Probe", "agree", "api_for", "connect",
@@ -195,9 +196,7 @@ class _Soft:
 
 
 def _soft(steps: SetupSteps, scope: str, group: dist.ProcessGroup, device: torch.device) -> _Soft:
-    from . import transport
-
-    return _Soft(steps, scope, list(transport.group_global_ranks(group)), device)
+    return _Soft(steps, scope, list(group_global_ranks(group)), device)
 
 
 def agree(

@@ -4,7 +4,7 @@ Replaces, for TIDE groups only, FSDP2's flat buffer + copy-in + collective +
 ``split_with_sizes_copy`` copy-out. FSDP2's ``unshard``/``wait_for_unshard``
 stay in charge; they call :func:`tide_all_gather` (in place of
 ``foreach_all_gather``) and :func:`tide_all_gather_copy_out` (in place of
-``foreach_all_gather_copy_out``) through ``fsdp_patch``.
+``foreach_all_gather_copy_out``) through ``patch``.
 
 Streams and ownership (CUDA):
 
@@ -51,9 +51,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import AllGatherResult
 
-from . import streams, watchdog
-from .plan import GroupPlan
-from .transport import AllGatherTransport
+from ..base import streams, watchdog
+from ..plans.plan import GroupPlan
+from ..transports import AllGatherTransport
 
 __all__ = [
     "TideAllGatherResult",
@@ -77,7 +77,7 @@ class TideAllGatherResult(AllGatherResult):
 
 @dataclass
 class TideGroupState:
-    """TIDE state of one FSDPParamGroup, made by ``install``, read by ``fsdp_patch``.
+    """TIDE state of one FSDPParamGroup, made by ``install``, read by ``patch``.
 
     ``group`` is the process group the plan was built for; a call with another
     group (e.g. the post-forward mesh of ``reshard_after_forward=int``) takes

@@ -6,7 +6,7 @@ FSDPParamGroup.unshard / wait_for_unshard / post_backward call whatever those
 module globals are. The public hooks (``set_custom_all_gather``,
 ``set_custom_reduce_scatter``) only see FSDP's flat buffers and cannot remove
 the copy-in, copy-out or ``chunk_cat``. We rebind the three globals to
-dispatching wrappers (every read of FSDP2 internals is in ``fsdp_internals``):
+dispatching wrappers (every read of FSDP2 internals is in ``internals``):
 
 - a group marked by :func:`mark` (``param_group._tide_ag_state``) in the
   sharded state and called with the group the plan was built for goes to
@@ -28,7 +28,7 @@ wrapped as well:
 
 - ``FSDPParam.free_unsharded_param`` (FSDP2's reshard of one parameter), so that a
   parameter whose unsharded storage a transport pointed at its own memory
-  (:func:`hold_unsharded`: the windows' in-place all-gather) is handed back to that
+  (``transports.hold_unsharded``: the windows' in-place all-gather) is handed back to that
   transport first; every other parameter goes straight to FSDP2's method.
 - ``FSDPParamGroup.finalize_backward``: FSDP2 drops an all-gather that was issued and never
   waited for (a backward prefetch of a group whose backward does not run: frozen layers,
@@ -36,7 +36,7 @@ wrapped as well:
   all-gather was TIDE's frees its unsharded parameters as a reshard would
   (``free_unsharded_param``, so an in-place range goes back to its window's arena and the
   storages of the other transports are freed as stock FSDP2 never allocated them).
-Which groups are marked, and with what, is decided by ``comm/install.py``.
+Which groups are marked, and with what, is decided by ``install.py``.
 """
 
 from __future__ import annotations
@@ -50,20 +50,21 @@ from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedState
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-from . import fsdp_internals
+from ..base.ranks import clear_global_ranks
+from ..transports import clear_held, take_held
+from . import internals as fsdp_internals
 from .all_gather import (
     TideAllGatherResult,
     TideGroupState,
     tide_all_gather,
     tide_all_gather_copy_out,
 )
-from .fsdp_internals import fsdp_param_groups
+from .internals import fsdp_param_groups
 from .reduce_scatter import TideRSState, try_reduce
-from .transport import clear_global_ranks
 
 __all__ = [
-    "acquire", "check_not_bypassed", "drop_unsharded", "fsdp_param_groups", "hold_unsharded",
-    "installed_refcount", "mark", "release", "unmark",
+    "acquire", "check_not_bypassed", "fsdp_param_groups", "installed_refcount", "mark",
+    "release", "unmark",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -79,8 +80,6 @@ _groups_by_params: dict[int, weakref.ref] = {}
 # id(FSDPParam) -> weakref(param_group): foreach_reduce gets a new list of
 # the group's parameters that have gradients.
 _groups_by_param: dict[int, weakref.ref] = {}
-# id(FSDPParam) -> the transport holding its unsharded storage (``release(fsdp_param)``).
-_held: dict[int, object] = {}
 _FREE = "free_unsharded_param"
 _FINALIZE = "finalize_backward"
 # All-gathers of TIDE that FSDP2 dropped at the end of a backward and TIDE resharded, per
@@ -233,19 +232,8 @@ def _foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, *args, *
     )
 
 
-def hold_unsharded(fsdp_param, owner) -> None:
-    """``owner`` pointed ``fsdp_param``'s unsharded storage at its own memory: FSDP2's next
-    free of it calls ``owner.release(fsdp_param)`` first."""
-    _held[id(fsdp_param)] = owner
-
-
-def drop_unsharded(fsdp_param) -> None:
-    """Forget :func:`hold_unsharded` (the owner took the storage back itself)."""
-    _held.pop(id(fsdp_param), None)
-
-
 def _free_unsharded_param(self) -> None:
-    owner = _held.pop(id(self), None)
+    owner = take_held(self)
     if owner is not None:
         owner.release(self)
     return _originals[_FREE](self)
@@ -311,7 +299,7 @@ def release() -> None:
             else:
                 logger.warning("TIDE: %s.%s was rebound by someone else after TIDE; "
                                "not restoring", cls.__name__, name)  # fmt: skip
-        _held.clear()
+        clear_held()
         clear_global_ranks()
 
 

@@ -56,19 +56,19 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .. import kernels, watchdog
-from ..memory_plan import slot_alloc_bytes
-from ..plan import (
+from ..base import kernels, watchdog
+from ..base.ranks import global_rank
+from ..plans.memory_plan import slot_alloc_bytes
+from ..plans.plan import (
     GroupPlan,
     PackedEntry,
     RSRound,
     RSSegment,
     RSSlice,
     WorldLayout,
+    entry_runs,
     packed_entry,
 )
-from ..window_rounds import entry_runs
-from . import global_rank
 
 __all__ = ["CopyEngineTransport", "SymmSlots", "batch_copy", "cast_into_entry"]
 

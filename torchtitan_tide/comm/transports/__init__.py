@@ -18,11 +18,15 @@ storage of one FSDP group. Contract of :meth:`AllGatherTransport.gather`:
   write. Returning a ``dist.Work`` is allowed for CPU backends whose work is
   not stream-ordered; the caller waits it before FSDP reads the storage.
 
-Current transports: ``p2p`` (``dist.batch_isend_irecv`` on the group's backend:
-gloo on CPU, NCCL on GPU), ``copy_engine`` (one node, peers pull from
-symmetric memory with one ``cudaMemcpyBatchAsync``) and ``one_sided`` (NCCL
->= 2.30 puts into registered windows: TIDE-AG with one rank per node, TIDE-RS
-phase 2). Transports import nothing of the modules that call them.
+Owns: these interfaces and the transports: ``p2p.py`` (``dist.batch_isend_irecv`` on the
+group's backend: gloo on CPU, NCCL on GPU), ``copy_engine.py`` (peers of a node pull from
+symmetric memory with one ``cudaMemcpyBatchAsync``) and ``windows/`` (NCCL >= 2.30 one-sided
+puts into registered windows: TIDE-AG and TIDE-RS phase 1 on one window per process group,
+TIDE-RS phase 2 in a ring; the window's set-up and NCCL binding with it). Also which
+parameters' unsharded storage a transport holds (:func:`hold_unsharded`).
+
+May import: ``plans``, ``base`` and ``options`` of ``comm``; never ``fsdp``, the package
+that calls the transports (docs/design/2026-12-07-comm-rooms.md).
 """
 
 from __future__ import annotations
@@ -32,34 +36,37 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from ..plan import GroupPlan, RSRound, RSSegment, RSSlice, WorldLayout
+from ..plans.plan import GroupPlan, RSRound, RSSegment, RSSlice, WorldLayout
 
 __all__ = [
-    "AllGatherTransport", "CrossNodeTransport", "ReduceScatterTransport", "clear_global_ranks",
-    "global_rank", "group_global_ranks",
+    "AllGatherTransport", "CrossNodeTransport", "ReduceScatterTransport", "clear_held",
+    "drop_unsharded", "hold_unsharded", "take_held",
 ]  # fmt: skip
 
-# Keyed by the group object itself (a strong reference: no other group can reuse
-# its address while it is here); cleared when the last TIDE model is removed.
-_GLOBAL_RANKS: dict[dist.ProcessGroup, tuple[int, ...]] = {}
+# Parameters whose unsharded storage a transport pointed at its own memory (the windows'
+# in-place all-gather), by ``id(FSDPParam)``: the FSDP2 seam (``fsdp/patch.py``) hands each
+# back to its owner, ``owner.release(fsdp_param)``, before FSDP2 frees the storage.
+_held: dict[int, object] = {}
 
 
-def group_global_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
-    """``dist.get_process_group_ranks(group)``, cached per group (on every collective's
-    path: point-to-point peers, watchdog reports)."""
-    ranks = _GLOBAL_RANKS.get(group)
-    if ranks is None:
-        ranks = _GLOBAL_RANKS[group] = tuple(dist.get_process_group_ranks(group))
-    return ranks
+def hold_unsharded(fsdp_param, owner) -> None:
+    """``owner`` pointed ``fsdp_param``'s unsharded storage at its own memory: FSDP2's next
+    free of it calls ``owner.release(fsdp_param)`` first."""
+    _held[id(fsdp_param)] = owner
 
 
-def global_rank(group: dist.ProcessGroup, group_rank: int) -> int:
-    """``dist.get_global_rank(group, group_rank)``, through :func:`group_global_ranks`."""
-    return group_global_ranks(group)[group_rank]
+def drop_unsharded(fsdp_param) -> None:
+    """Forget :func:`hold_unsharded` (the owner took the storage back itself)."""
+    _held.pop(id(fsdp_param), None)
 
 
-def clear_global_ranks() -> None:
-    _GLOBAL_RANKS.clear()
+def take_held(fsdp_param) -> object | None:
+    """The owner that holds ``fsdp_param``'s unsharded storage, forgotten here; or None."""
+    return _held.pop(id(fsdp_param), None)
+
+
+def clear_held() -> None:
+    _held.clear()
 
 
 class AllGatherTransport(Protocol):
@@ -100,7 +107,7 @@ class ReduceScatterTransport(Protocol):
 
 
 class CrossNodeTransport(Protocol):
-    """Cross-node phase of TIDE-RS (``p2p.P2PCrossNode``, ``one_sided.OneSidedCrossNode``):
+    """Cross-node phase of TIDE-RS (``p2p.P2PCrossNode``, ``windows.ring.OneSidedCrossNode``):
     ``begin_reduce`` once per reduce with a cross-node phase, then per other node's
     chunk ``reduce_partial``: ``send`` (this rank's partial for group rank
     ``send_peer``, 1-D, the wire dtype) out, the partial of group rank ``recv_peer``

@@ -1,5 +1,6 @@
 """Exchange the memory of two storages, every view following: how TIDE-AG in place points a
-parameter's unsharded storage at window memory (``windows.py``; docs/design/2026-12-04-windows.md).
+parameter's unsharded storage at window memory (``transport.py``;
+docs/design/2026-12-04-windows.md).
 
 Two backends:
 

@@ -4,8 +4,8 @@
   when it stages in the TIDE-AG slots (one slot protocol, one stream).
 - ``"tide_rs_cross"`` (-1): TIDE-RS phase 2 (cross-node point-to-point).
 - ``"tide_one_sided"`` / ``"tide_one_sided_rs"`` (-1): the NCCL one-sided puts, signals
-  and waits of the windows' rounds (``transport.windows``) / TIDE-RS phase 2
-  (``transport.one_sided``), nothing else.
+  and waits of the windows' rounds (``transports.windows.transport``) / TIDE-RS
+  phase 2 (``transports.windows.ring``), nothing else.
 - ``"tide_fan"`` (-1): the windows' node-local puts and signals (the fan-out, TIDE-RS's
   node-local rounds), beside the cross-node puts of ``"tide_one_sided"``.
 - ``"tide_place"`` (-1): the windows' placement copies and their waits on local peers.

@@ -7,7 +7,7 @@ receiver, a credit back to the next sender of that region once it is summed. Two
 TIDE-owned communicators over the FSDP group (``nccl_rma.RmaComm``, or the CPU stand-in):
 ``data`` (the puts; its window holds the send regions, the ring and the wire region) and
 ``credit`` (bare signals), so each counts one kind of signal. TIDE-AG's and TIDE-RS phase
-1's window is another one (``transport/windows.py``). Decisions: docs/design/2026-12-04-windows.md
+1's window is another one (``transport.py``). Decisions: docs/design/2026-12-04-windows.md
 (the earlier design, regions per node and parity, is in docs/design/2026-12-02-one-sided.md).
 
 Streams (CUDA): the puts, waits and credits run on ``tide_one_sided_rs``
@@ -26,9 +26,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .. import kernels, streams, watchdog
-from ..plan import WorldLayout
-from ..window_rounds import (
+from ...base import kernels, streams, watchdog
+from ...base.ranks import global_rank
+from ...plans.plan import WorldLayout
+from ...plans.window_rounds import (
     PUT,
     Accumulate,
     Fork,
@@ -39,11 +40,10 @@ from ..window_rounds import (
     ring_layout,
     ring_step_ops,
 )
-from . import global_rank
 
 __all__ = ["AG_PUT_STREAM", "OneSidedCrossNode", "rs_ring_bytes"]
 
-AG_PUT_STREAM = "tide_one_sided"  # TIDE-AG's cross-node puts (transport/windows.py's ``put``)
+AG_PUT_STREAM = "tide_one_sided"  # TIDE-AG's cross-node puts (``transport.py``'s ``put``)
 
 logger = logging.getLogger(__name__)
 

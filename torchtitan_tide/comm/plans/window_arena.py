@@ -2,7 +2,7 @@
 
 At one rank per node, TIDE-AG on NCCL windows puts every shard straight into the unsharded
 storage of its parameter: that storage lives in the window's ``arena`` from the all-gather
-until FSDP2 reshards the group (``transport/windows.py``). This module is the host-side
+until FSDP2 reshards the group (``transports/windows/transport.py``). This module is the host-side
 allocator of that arena. Pure Python (no torch): every rank of the process group runs the
 same unshard / reshard sequence (SPMD), so every rank takes the same ranges in the same
 order, and a range's offset is the same in every rank's window (a put names the peer's

@@ -1,7 +1,7 @@
 """TIDE on NCCL windows: where every byte sits in a rank's window, and each round as ops.
 
 Pure Python (no torch, no ``torch.distributed``): the window transport
-(``transport/windows.py``) runs these ops on CUDA streams or on the CPU stand-in, and the
+(``transports/windows/transport.py``) runs these ops on CUDA streams or on the CPU stand-in, and the
 tests replay every rank's ops against a checker of reads, writes and signals
 (``tests/comm/_window_replay.py``). Decisions: docs/design/2026-12-04-windows.md.
 
@@ -63,7 +63,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .plan import GroupPlan, PackedEntry, RSRound, RSSlice, WorldLayout
+from .plan import GroupPlan, PackedEntry, RSRound, RSSlice, WorldLayout, entry_runs
 
 __all__ = [
     "RS_PIECE_BYTES",
@@ -81,7 +81,6 @@ __all__ = [
     "ag_in_place_ops",
     "ag_round_ops",
     "cross_node_segments",
-    "entry_runs",
     "in_place_writers",
     "paced_pieces",
     "ring_layout",
@@ -269,17 +268,6 @@ class Fork:
 
 
 Op = PackOwn | PackSlices | Put | Signal | Wait | Place | Accumulate | Fork
-
-
-def entry_runs(nodes: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:
-    """Maximal runs of consecutive node indices as ``(first, count)``."""
-    out: list[tuple[int, int]] = []
-    for m in sorted(nodes):
-        if out and out[-1][0] + out[-1][1] == m:
-            out[-1] = (out[-1][0], out[-1][1] + 1)
-        else:
-            out.append((m, 1))
-    return out
 
 
 def paced_pieces(runs: list[tuple[int, int]], pacing: int) -> list[list[tuple[int, int]]]:

@@ -11,7 +11,7 @@ every group that has more than one rank (a group of one gathers nothing).
 
 from __future__ import annotations
 
-from .options import TideOptionError
+from ..options import TideOptionError
 
 __all__ = ["check_local_world_size", "fsdp_group_sizes"]
 

@@ -3,7 +3,7 @@
 Pure Python (integer arithmetic on parameter shapes), so it answers for any GPU count
 without GPUs. ``python -m torchtitan_tide.memory_report`` prints this plan for the groups of a
 training TOML (``torchtitan_tide/fsdp_groups.py``); ``torchtitan_tide.simulator`` shares its groups (``GroupShape``). The
-TIDE sizes follow what ``comm.install`` allocates (slots through the shared
+TIDE sizes follow what ``comm.fsdp.install`` allocates (slots through the shared
 :func:`slot_sizes`, staging, RSBuffers).
 
 Notation (all per rank, in bytes unless said otherwise):
@@ -15,7 +15,8 @@ Notation (all per rank, in bytes unless said otherwise):
 - ``b_ag``: all-gather (param) dtype bytes; ``b_grad = b_ag`` (unsharded gradients);
   ``b_red``: reduce dtype bytes; ``b_master``: sharded parameter / optimizer dtype bytes.
 - ``A = max_g sum_p round16(s_p * b_ag)``: the largest group's shard packed with every
-  parameter 16-byte aligned (the copy-engine slot entry, ``fsdp_internals.shard_bytes(..., align=16)``).
+  parameter 16-byte aligned (the copy-engine slot entry,
+  ``fsdp.internals.shard_bytes(..., align=16)``).
 - ``slot(x) = round128(max(x, 16))``: a symmetric slot as ``SymmSlots.create`` makes it.
 
 Modes (formulas also in :data:`FORMULAS`, printed by the CLI):
@@ -490,7 +491,7 @@ def _tide_buffers(
 
 def _unsharded_bytes(group: GroupShape, world: int, dtypes: CommDtypes) -> int:
     """A group's unsharded parameters in the all-gather dtype, every parameter 256-byte
-    aligned (``fsdp_internals.unsharded_bytes``: what an in-place range takes)."""
+    aligned (``fsdp.internals.unsharded_bytes``: what an in-place range takes)."""
     return sum(aligned(padded_shard_numel(shape, world) * world * dtypes.param_bytes)
                for shape in group.param_shapes)  # fmt: skip
 

@@ -30,8 +30,8 @@ from functools import cache
 import torch
 import torch.distributed as dist
 
+from ..options import TideOptions
 from .group_sizes import check_local_world_size
-from .options import TideOptions
 from .plan import WorldLayout
 
 __all__ = [
@@ -195,7 +195,7 @@ def choose_transport(
     ``auto`` takes if the windows' set-up fails (None: not windows, or forced). Raises
     ``ValueError`` for a forced transport that cannot work here. ``peer_access``: this
     rank's :func:`local_peer_access`; ``windows``: whether every rank of the group can use
-    NCCL windows (``window_setup.probe``), and why (not)."""
+    NCCL windows (``transports.windows.connect.probe``), and why (not)."""
     backend = backend.lower()
     forced = options.transport
     shape = layout.shape

@@ -1,6 +1,6 @@
 """Every read of FSDP2 internals, and every torch-version difference (2.11 - 2.15).
 
-The TIDE stack (``fsdp_patch``, ``install``, ``reduce_scatter``) and the ``symm_mem`` baseline
+The TIDE stack (``patch``, ``install``, ``reduce_scatter``) and the ``symm_mem`` baseline
 read FSDP2 only through this module, so a torch upgrade is checked in one place
 (docs/design/2026-12-07-torch-versions.md). What is read:
 

@@ -50,7 +50,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .transport import group_global_ranks
+from .ranks import group_global_ranks
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

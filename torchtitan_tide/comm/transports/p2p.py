@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import kernels, watchdog
-from ..plan import Chunk, GroupPlan, RSRound, RSSegment, RSSlice, WorldLayout
-from ..poison import poisoned
-from . import global_rank
+from ..base import kernels, watchdog
+from ..base.poison import poisoned
+from ..base.ranks import global_rank
+from ..plans.plan import Chunk, GroupPlan, RSRound, RSSegment, RSSlice, WorldLayout
 
 __all__ = ["P2PCrossNode", "P2PTransport"]
 

@@ -1,7 +1,7 @@
 """TIDE-AG and TIDE-RS phase 1 on ONE registered NCCL window per process group: no SM kernel.
 
 Every layout N nodes x L ranks runs here (L = 1 included): the rounds of
-``comm/window_rounds.py`` (where every byte sits, which op runs on which stream; read it
+``comm/plans/window_rounds.py`` (where every byte sits, which op runs on which stream; read it
 first) executed with NCCL's one-sided calls on the group's TIDE-owned communicator
 (``nccl_rma.RmaComm``: puts by copy engine between ranks in load/store reach, NCCL's RMA
 proxy across nodes) or, on CPU, the stand-in (``rma_standin.StandinRma``). One registration
@@ -30,7 +30,7 @@ the all-gather (``bind_in_place``: the storage object's data pointer is swapped,
 ``storage_swap``, so every view of it, autograd's saved ones included, follows, as with
 FSDP2's ``resize_``), the own shards are cast there by ``tide_all_gather`` and every other
 shard is put there (``window_rounds.ag_in_place_ops``): no pack, no placement copy. FSDP2's
-reshard (``FSDPParam.free_unsharded_param``, patched by ``fsdp_patch``; also an all-gather
+reshard (``FSDPParam.free_unsharded_param``, patched by ``fsdp/patch.py``; also an all-gather
 FSDP2 drops at the end of a backward) calls :meth:`WindowTransport.release`: the pointer is
 swapped back, the range freed, and a credit sent on the ``ag_credit`` communicator to every
 rank that writes into this one (its local peers and the rail peers it receives from), on the
@@ -48,11 +48,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .. import kernels, streams, watchdog
-from ..plan import GroupPlan, RSRound, RSSegment, RSSlice, WorldLayout, packed_entry
-from ..poison import poison_value
-from ..window_arena import WindowArena, aligned
-from ..window_rounds import (
+from ...base import kernels, streams, watchdog
+from ...base.poison import poison_value
+from ...base.ranks import global_rank
+from ...plans.plan import GroupPlan, RSRound, RSSegment, RSSlice, WorldLayout, packed_entry
+from ...plans.window_arena import WindowArena, aligned
+from ...plans.window_rounds import (
     FAN,
     MAIN,
     PLACE,
@@ -72,9 +73,9 @@ from ..window_rounds import (
     in_place_writers,
     rs_round_ops,
 )
-from . import global_rank
-from .copy_engine import _try_batch, cast_into_entry
-from .one_sided import AG_PUT_STREAM
+from .. import drop_unsharded, hold_unsharded
+from ..copy_engine import _try_batch, cast_into_entry
+from .ring import AG_PUT_STREAM
 from .storage_swap import swap_storage_pairs, swap_storages
 
 __all__ = ["InPlace", "WindowCounters", "WindowSlots", "WindowTransport"]
@@ -247,11 +248,9 @@ class WindowTransport:
             logger.warning("TIDE %s: the storage swap refused a parameter (%s); this "
                            "all-gather places its shards with copies", fqn, e)  # fmt: skip
             return False
-        from .. import fsdp_patch
-
         for fp in fsdp_params:
             self._bindings[id(fp)] = binding
-            fsdp_patch.hold_unsharded(fp, self)
+            hold_unsharded(fp, self)
         world = plan.layout.world_size
         self._pending = (plan, tuple(offsets), tuple(n // world for n in sizes), taken, binding)
         return True
@@ -279,14 +278,12 @@ class WindowTransport:
     def _unbind(self, binding: _Binding) -> list[tuple[object, torch.UntypedStorage]]:
         """Point every parameter still in ``binding`` back at its own empty memory (one
         batch of swaps) and forget it; returns ``(FSDPParam, storage now over the range)``."""
-        from .. import fsdp_patch
-
         members = list(binding.params.values())
         swap_storage_pairs([(fp.all_gather_outputs[0].untyped_storage(), held)
                             for fp, held in members])  # fmt: skip
         for fp, _ in members:
             del self._bindings[id(fp)]
-            fsdp_patch.drop_unsharded(fp)
+            drop_unsharded(fp)
         binding.params.clear()
         return members
 

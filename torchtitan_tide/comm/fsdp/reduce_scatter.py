@@ -2,7 +2,7 @@
 
 Replaces, for TIDE groups only, FSDP2's ``foreach_reduce`` (``chunk_cat`` of
 every gradient into a flat full-group fp32 buffer, then one NCCL
-reduce-scatter); ``fsdp_patch`` dispatches to :func:`try_reduce`, which
+reduce-scatter); ``patch`` dispatches to :func:`try_reduce`, which
 decides whether TIDE-RS can take the reduce (or logs, once per reason, why
 FSDP2's path takes it) and runs :func:`tide_reduce`. This module decides and
 orders; it sends nothing to a peer and sums nothing received: per round the
@@ -20,8 +20,8 @@ few-CTA kernel (``kernels.accumulate_beside``). bf16 moves, fp32 accumulates.
 
 Phase 2, cross-node (more than one node): each fp32 partial goes to the rank
 of the same local index on its node through the cross-node transport
-(``transport.p2p.P2PCrossNode``: NCCL send/recv, gloo on CPU; or
-``transport.one_sided.OneSidedCrossNode``: NCCL puts), the received partial is
+(``transports.p2p.P2PCrossNode``: NCCL send/recv, gloo on CPU; or
+``transports.windows.ring.OneSidedCrossNode``: NCCL puts), the received partial is
 added into the output (in fp32). On the wire the
 partial is fp32, or with ``[tide] rs_wire_dtype = "bfloat16"`` rounded once to
 bf16 (:func:`round_to_wire`: half the bytes, one bf16 rounding per partial;
@@ -58,13 +58,14 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import fsdp_internals, kernels, streams
-from .fsdp_internals import ReduceDtypes
-from .options import RS_WIRE_DTYPES
-from .plan import RSChunk, RSPlan, WorldLayout, build_rs_plan
-from .poison import poisoned as _poisoned
-from .poison import set_poison
-from .transport import CrossNodeTransport, ReduceScatterTransport
+from ..base import kernels, streams
+from ..base.poison import poisoned as _poisoned
+from ..base.poison import set_poison
+from ..options import RS_WIRE_DTYPES
+from ..plans.plan import RSChunk, RSPlan, WorldLayout, build_rs_plan
+from ..transports import CrossNodeTransport, ReduceScatterTransport
+from . import internals as fsdp_internals
+from .internals import ReduceDtypes
 
 __all__ = [
     "WIRE_DTYPES",
@@ -159,7 +160,7 @@ def round_to_wire(partial: torch.Tensor, buffers: RSBuffers) -> torch.Tensor:
 
 @dataclass
 class TideRSState:
-    """TIDE-RS state of one FSDPParamGroup, made by ``install``, read by ``fsdp_patch``.
+    """TIDE-RS state of one FSDPParamGroup, made by ``install``, read by ``patch``.
 
     ``transport`` implements ``reduce_rows`` (copy engine or point-to-point);
     ``cross_node`` the cross-node phase (more than one node; None on one node);
@@ -178,7 +179,7 @@ class TideRSState:
     use_tide_stream: bool
     # The group's FSDP2 reduce-scatter comm object at install (see TideGroupState).
     fsdp_comm: object = None
-    # Phase 2 (``transport.p2p.P2PCrossNode`` or ``transport.one_sided.OneSidedCrossNode``,
+    # Phase 2 (``transports.p2p.P2PCrossNode`` or ``transports.windows.ring.OneSidedCrossNode``,
     # shared by the process group's FSDP groups); None on one node.
     cross_node: CrossNodeTransport | None = None
     param_fqns: tuple[str, ...] = ()
@@ -202,7 +203,7 @@ class TideRSState:
 
 class TideReduceResult(NamedTuple):
     """What FSDP's ``post_backward`` expects from ``foreach_reduce`` (torch
-    2.11 returns all but ``post_reduce_stream``; ``fsdp_patch`` adapts)."""
+    2.11 returns all but ``post_reduce_stream``; ``patch`` adapts)."""
 
     reduce_scatter_input: torch.Tensor  # empty: there is no flat input buffer
     reduce_scatter_event: torch.Event | None  # phase 1 done: gradients read
@@ -269,7 +270,7 @@ def rs_unsupported_reason(
     """Why this reduce must take FSDP2's own path, or None. TIDE-RS moves bf16
     or fp32 gradients, each in its own dtype (torch 2.15 hands over both in one group:
     :func:`dtype_runs`), and accumulates in fp32, so FSDP2's reduce dtype
-    (``dtypes``, as the running torch defines it: :func:`fsdp_internals.reduce_dtypes`)
+    (``dtypes``, as the running torch defines it: :func:`internals.reduce_dtypes`)
     must be fp32, or the gradients' own dtype with fp32 sharded gradients (then TIDE-RS's
     fp32 sum is more accurate than FSDP2's: :func:`rs_numerics_note`). HSDP runs TIDE-RS on
     the shard group and FSDP2's all-reduce across replicas (``all_reduce_group`` is

@@ -1,6 +1,6 @@
 """Install's collective set-up, bounded: a failure on one rank reaches its peers at once.
 
-The copy-engine set-up of a node (``install._connect_slots``: the node-local process
+The copy-engine set-up of a node (``fsdp.install_setup.connect_slots``: the node-local process
 group, the symmetric-memory rendezvous, the exchange of every rank's slot details) is
 collective over the node's ranks. Run bare, a rank that fails in it leaves its peers
 blocked inside it until a store or process-group timeout (minutes). Here every step

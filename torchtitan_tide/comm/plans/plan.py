@@ -30,7 +30,7 @@ Schedule (per rank, deterministic, identical on all ranks):
 2. node-local phase: every local peer ``l'`` needs the ``num_nodes`` shards
    ``(m, l)`` this rank holds. As point-to-point steps: step ``s`` sends to
    local index ``l + s`` and receives from ``l - s``. The copy-engine
-   transport instead pulls them in one batch (``transport/copy_engine.py``).
+   transport instead pulls them in one batch (``transports/copy_engine.py``).
 
 When ``local_world_size == 1`` every cross-node step moves ONE contiguous
 chunk per parameter (the ``2**k`` node blocks are adjacent). When
@@ -60,6 +60,7 @@ __all__ = [
     "build_rs_plan",
     "chunks_for_ranks",
     "cross_node_exchanges",
+    "entry_runs",
     "node_local_exchanges",
     "pace_chunks",
     "packed_entry",
@@ -372,6 +373,17 @@ def packed_entry(params: tuple[ParamPlan, ...], itemsizes: list[int]) -> PackedE
         offsets.append(total)
         total += (n + 15) // 16 * 16
     return PackedEntry(nbytes, tuple(offsets), total)
+
+
+def entry_runs(nodes: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive node indices as ``(first, count)``."""
+    out: list[tuple[int, int]] = []
+    for m in sorted(nodes):
+        if out and out[-1][0] + out[-1][1] == m:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((m, 1))
+    return out
 
 
 # ---------------------------------------------------------------- TIDE-RS
