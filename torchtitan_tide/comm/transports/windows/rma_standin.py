@@ -328,8 +328,13 @@ class StandinRma:
         return int(self._signals[peer].item())
 
     def destroy(self) -> None:
-        """Drop the mappings and free what this rank holds; rank 0 unlinks the
-        communicator's files (a rank that mapped them keeps its mappings valid)."""
+        """Collective, as ``ncclCommFinalize``: once every rank of the communicator got here
+        (each one's last signals, e.g. in-place credits, sent), drop the mappings and free
+        what this rank holds; rank 0 unlinks the communicator's files (a rank that mapped
+        them keeps its mappings valid). A peer that aborted or never comes ends the wait."""
+        if not self.closed:
+            with contextlib.suppress(StandinError):
+                _join(self.folder, "destroy", self.rank, self.size, self.timeout_s)
         self._end(aborted=False)
 
     def abort(self) -> None:
