@@ -448,13 +448,16 @@ def other_spans(spans: Sequence[Span], device: int) -> list[Span]:
 
 
 def slowest_device(spans: Sequence[Span]) -> int:
-    """The local rank whose compute stream ends last (the one that sets the step; the
-    lowest of those that tie)."""
+    """The local rank whose compute stream ends last (the one that sets the step); of
+    those that end together (they wait for each other's signals), the one whose compute
+    lost the most time beside communication; then the lowest."""
     last: dict[int, float] = {}
+    lost: dict[int, float] = {}
     for s in spans:
         if is_compute(s.op.stream):
             last[s.op.device] = max(last.get(s.op.device, 0.0), s.end_ms)
-    return min(last, key=lambda d: (-last[d], d)) if last else 0
+            lost[s.op.device] = lost.get(s.op.device, 0.0) + s.lost_ms
+    return min(last, key=lambda d: (-round(last[d], 6), -lost[d], d)) if last else 0
 
 
 def summarize(spans: Sequence[Span], beside: Sequence[Span] = ()) -> dict[str, float]:
