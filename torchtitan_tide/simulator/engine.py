@@ -165,8 +165,8 @@ def _runs(ops: Sequence[Op], index: dict[str, int]) -> tuple[list[Op], list[list
     for u, members in enumerate(parts):
         if len(members) > 1:
             first, last = ops[members[0]], ops[members[-1]]
-            units[u] = replace(first, name=last.name,
-                               duration_ms=sum(ops[i].duration_ms for i in members))
+            total = sum(ops[i].duration_ms for i in members)
+            units[u] = replace(first, name=last.name, duration_ms=total)
     return units, parts
 
 

@@ -19,7 +19,11 @@ TIDE is not modeled by hand: ``plans.Timeline`` runs the op plans the code runs
 and send/recv transports run them) for the layout, and each op is charged here by what
 it is (:meth:`_Builder.charge`). Which transport runs is what ``[tide] ag_transport`` and
 ``cross_node_transport`` take on the cluster's NCCL (:func:`tide_run`, ``auto`` as
-``comm/topology.choose_transport`` decides it). symm_mem's hierarchical collectives (NCCL
+``comm/topology.choose_transport`` decides it). Where the local ranks of a node run
+different plans (in place at ``N x L``), the step is built for each of them
+(``Timeline.classes``): every rank its own compute stream and its own GPU's links, each
+rank's work after its own compute; the figures are those of the rank whose step ends
+last (``engine.slowest_device``). symm_mem's hierarchical collectives (NCCL
 >= 2.30.7) run their two phases pipelined inside one collective: the longer phase (an
 upper bound on the baseline). Links: ``network``.
 """
@@ -438,6 +442,7 @@ def breakdown(spans: Sequence[Span], beside: Sequence[Span] = ()) -> dict[str, f
                                 comm)  # fmt: skip
 
     step = max((s.end_ms for s in spans), default=0.0)
+    nic = [(s.start_ms, s.end_ms) for s in spans if base_name(s.op.link) == "nic"]
     return {
         "bd_compute_ms": sum(s.op.duration_ms for s in work),
         "bd_sm_taken_ms": sum(s.lost_ms for s in work),
@@ -450,10 +455,7 @@ def breakdown(spans: Sequence[Span], beside: Sequence[Span] = ()) -> dict[str, f
         "bd_exposed_bwd_ms": exposed(bwd_start, last),
         "bd_exposed_tail_ms": exposed(last, step),
         "bd_local_copies_ms": sum(s.end_ms - s.start_ms for s in spans if s.op.kind == CE_LOCAL),
-        "bd_nic_busy_ms": sum(
-            b - a for a, b in merge((s.start_ms, s.end_ms) for s in spans
-                                    if base_name(s.op.link) == "nic")
-        ),
+        "bd_nic_busy_ms": sum(b - a for a, b in merge(nic)),
     }
 
 
