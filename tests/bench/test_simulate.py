@@ -473,6 +473,12 @@ def test_cli_prints_rows_and_sources(tmp_path, capsys):
     assert {r["mode"] for r in rows} == set(inputs.MODES) and rows[0]["nodes"] == 2
     with pytest.raises(SystemExit):
         cli.main(["--config", "h200x2_llama70b_4layers", "--gpus", "12"])  # not whole nodes
+    nccl231 = "train_configs/clusters/h200_8x400g_nccl231.toml"
+    assert cli.main(["--config", "h200x2_llama70b_4layers", "--gpus", "16", "--modes", "tide",
+                     "--cluster", nccl231]) == 0  # fmt: skip
+    assert "windows, phase 2 one_sided, in place (every local rank simulated" in (
+        capsys.readouterr().out
+    )
 
 
 def test_inputs_fall_back_to_flops_when_the_trace_has_other_layers():
