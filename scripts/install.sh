@@ -5,11 +5,12 @@
 #   scripts/install.sh --dry-run    print the pip commands it would run and change nothing
 #                                   (also TIDE_INSTALL_DRY_RUN=1)
 # torch, in this order:
-#   1. a torch in [2.11, 2.14) that is already installed is kept (GPU machines bring their CUDA
-#      build); the later `pip install -e .` is constrained to it, so it cannot be replaced.
+#   1. a torch in [2.11, 2.16) that is already installed is kept (GPU machines bring their CUDA
+#      build; a venv made for torch 2.15 keeps it); the later `pip install -e .` is constrained
+#      to it, so it cannot be replaced. Which versions are tested where: docs/guide/install.md.
 #   2. TIDE_TORCH_SPEC, if set, is installed as given (e.g. "torch==2.11.0").
 #   3. a machine with a GPU (`nvidia-smi -L` lists one) gets `torch>=2.11,<2.14` from the
-#      configured index (PyPI: the CUDA build).
+#      configured index (PyPI: the CUDA build; below 2.14 until a GPU run checks 2.14/2.15).
 #   4. a machine without one gets the CPU build torch==2.13.0+cpu: first from the configured
 #      sources (pip's find-links / local wheel directories / mirrors), and only if they do not
 #      have it from PyTorch's CPU wheel index (TIDE_TORCH_CPU_INDEX). Plain PyPI would resolve
@@ -35,14 +36,23 @@ run() {  # print a command; run it unless this is a dry run
   [[ "$DRY_RUN" == "1" ]] || "$@"
 }
 
-installed_torch() {  # prints the installed torch version if it is in [2.11, 2.14); else fails
+torch_version() {  # the installed torch as pip names it (PyPI's wheels say 2.15.0, torch
+  # itself 2.15.0+cu132: a pin on torch.__version__ would match no installed distribution)
   "$PYTHON" - <<'PY' 2>/dev/null
-import sys
 import torch
-major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-print(torch.__version__)
-sys.exit(0 if (2, 11) <= (major, minor) < (2, 14) else 1)
+try:
+    from importlib.metadata import version
+    print(version("torch"))
+except Exception:  # a torch without distribution metadata (a source tree on the path)
+    print(torch.__version__)
 PY
+}
+
+installed_torch() {  # prints the installed torch version if it is in [2.11, 2.16); else fails
+  local v
+  v="$(torch_version)" || return 1
+  echo "$v"
+  "$PYTHON" -c 'import sys; m, n = (int(x) for x in sys.argv[1].split("+")[0].split(".")[:2]); sys.exit(0 if (2, 11) <= (m, n) < (2, 16) else 1)' "$v"
 }
 
 has_gpu() {
@@ -55,7 +65,7 @@ has_gpu() {
 
 [[ "$DRY_RUN" == "1" ]] && echo "[install] dry run: printing the pip commands, running none"
 if torch_version="$(installed_torch)"; then
-  echo "[install] keeping the installed torch ${torch_version} (fits [2.11, 2.14))"
+  echo "[install] keeping the installed torch ${torch_version} (fits [2.11, 2.16))"
   pinned="torch==${torch_version}"
 elif [[ -n "${TIDE_TORCH_SPEC:-}" ]]; then
   echo "[install] installing ${TIDE_TORCH_SPEC} (TIDE_TORCH_SPEC)"
@@ -78,7 +88,7 @@ else
   pinned="torch==${TORCH_CPU_VERSION}"
 fi
 if [[ -z "$pinned" && "$DRY_RUN" != "1" ]]; then
-  pinned="torch==$("$PYTHON" -c 'import torch; print(torch.__version__)')"
+  pinned="torch==$(torch_version)"
 fi
 
 # The project's dependencies, with torch constrained to the one chosen above: pip must not

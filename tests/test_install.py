@@ -13,15 +13,23 @@ REPO = Path(__file__).resolve().parents[1]
 CPU_INDEX = "--index-url https://download.pytorch.org/whl/cpu"
 
 
-def fake_env(tmp_path: Path, torch_version: str | None, gpu: bool) -> dict[str, str]:
+def fake_env(
+    tmp_path: Path, torch_version: str | None, gpu: bool, dist_version: str | None = None
+) -> dict[str, str]:
     """PATH whose first entry has a fake ``nvidia-smi`` (lists a GPU or fails) and a
-    ``python`` that imports a fake ``torch`` of ``torch_version`` (None: import fails)."""
+    ``python`` that imports a fake ``torch`` of ``torch_version`` (None: import fails),
+    installed as the distribution ``dist_version`` (default: ``torch_version``)."""
     bin_dir, site = tmp_path / "bin", tmp_path / "site" / "torch"
     bin_dir.mkdir()
     site.mkdir(parents=True)
     (site / "__init__.py").write_text(
         f"__version__ = {torch_version!r}\n" if torch_version
         else "raise ImportError('no torch here')\n")
+    if torch_version:  # pip's name for it (PyPI wheels: no local tag; torch's own has one)
+        dist = site.parent / f"torch-{torch_version.split('+')[0]}.dist-info"
+        dist.mkdir()
+        version = dist_version or torch_version
+        (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
     smi = "echo 'GPU 0: NVIDIA H200 (UUID: GPU-0)'" if gpu else "echo 'NVIDIA-SMI has failed' >&2; exit 9"
     (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\n{smi}\n")
     (bin_dir / "python").write_text(
@@ -66,10 +74,27 @@ def test_gpu_machine_gets_the_default_cuda_build(tmp_path):
 @pytest.mark.parametrize("gpu", [False, True])
 def test_fitting_torch_is_kept(tmp_path, gpu):
     lines = dry_run(fake_env(tmp_path, "2.11.0+cu130", gpu=gpu))
-    assert "[install] keeping the installed torch 2.11.0+cu130 (fits [2.11, 2.14))" in lines
+    assert "[install] keeping the installed torch 2.11.0+cu130 (fits [2.11, 2.16))" in lines
     commands = pip_commands(lines)
     assert len(commands) == 1 and commands[0].startswith("-c "), commands
     assert "with torch==2.11.0+cu130" in "\n".join(lines)
+
+
+@pytest.mark.parametrize("torch_version,dist_version", [
+    ("2.15.0+cu132", "2.15.0"),  # PyPI's wheel: torch says +cu132, pip knows 2.15.0
+    ("2.14.1+cpu", None),
+])
+def test_newest_torch_is_kept_and_pinned_as_pip_names_it(tmp_path, torch_version, dist_version):
+    lines = dry_run(fake_env(tmp_path, torch_version, gpu=False, dist_version=dist_version))
+    pip_name = dist_version or torch_version
+    assert f"[install] keeping the installed torch {pip_name} (fits [2.11, 2.16))" in lines
+    assert f"with torch=={pip_name}" in "\n".join(lines)
+    assert len(pip_commands(lines)) == 1
+
+
+def test_torch_past_the_tested_range_is_replaced(tmp_path):
+    commands = pip_commands(dry_run(fake_env(tmp_path, "2.16.0", gpu=False)))
+    assert commands[0] == "torch==2.13.0+cpu"
 
 
 def test_unknown_argument_is_an_error():

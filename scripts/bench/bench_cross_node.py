@@ -327,6 +327,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, variant: dict, resu
     per_step = []
     for _ in range(args.steps):
         sent = _sent_bytes(model) if variant["mode"] == "tide" else 0
+        counts_before = _in_place_counts(model) if variant["mode"] == "tide" else {}
         if variant["mode"] == "tide":
             host.clear()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -353,7 +354,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace, variant: dict, resu
             "wire_bytes": (_sent_bytes(model) - sent if variant["mode"] == "tide"
                            else _fsdp2_wire_bytes(model, world, nodes)),
             "nccl_kernel_names": sorted({e["name"].split("(")[0] for e in nccl}),
-            **(_in_place_counts(model) if variant["mode"] == "tide" else {}),
+            **{key: value - counts_before[key] for key, value in
+               (_in_place_counts(model) if variant["mode"] == "tide" else {}).items()},
             **(_host_ms(host) if variant["mode"] == "tide" else {}),
         })  # fmt: skip
     schedule = _last_ag_ops(model) if variant["mode"] == "tide" else []
@@ -367,9 +369,9 @@ def _worker(rank: int, world: int, args: argparse.Namespace, variant: dict, resu
                     "all_gathers", "reduces"):  # fmt: skip
             if key in per_step[0]:
                 row[key] = statistics.median(s[key] for s in per_step)
-        for key in ("in_place_all_gathers", "placed_copies"):  # running totals: the last step's
+        for key in ("in_place_all_gathers", "placed_copies"):  # per profiled step
             if key in per_step[-1]:
-                row[key] = per_step[-1][key] - (per_step[-2][key] if len(per_step) > 1 else 0)
+                row[key] = statistics.median(s[key] for s in per_step)
         row["wire_mib"] = row["wire_bytes"] / 2**20
         row["copy_mib"] = row["copy_bytes"] / 2**20
         row["hbm_mib"] = 2 * row["copy_mib"]  # a copy reads and writes HBM (one GPU)

@@ -202,11 +202,13 @@ def _param_group(model: nn.Module):
 
 
 def _reduce(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
-    """Unshard, set the given unsharded gradients, run FSDP's post_backward."""
+    """FSDP's backward of the group around the given unsharded gradients: its
+    pre_backward (unshard; on torch 2.15 also the per-parameter ``grad_dtype`` autograd
+    sees during backward: FSDP2 defers the upcast to the reduce dtype, so a bf16 gradient
+    may be set), the gradients set as autograd would leave them, its post_backward."""
     model._get_fsdp_state()._lazy_init()  # what the root's first forward does
     group = _param_group(model)
-    group.unshard()
-    group.wait_for_unshard()
+    group.pre_backward(default_prefetch=False)
     for name, fp in _named_fsdp_params(model):
         if name in grads:
             fp.unsharded_param.grad = grads[name].clone()
@@ -250,6 +252,7 @@ def _numerics_worker(
     rank: int, world: int, options: dict, param_dtype, reduce_dtype=torch.float32
 ) -> None:
     from torchtitan_tide import comm
+    from torchtitan_tide.comm import fsdp_internals
     from torchtitan_tide.comm import reduce_scatter as tide_rs
 
     tide_rs.set_poison(float("nan"))
@@ -282,8 +285,15 @@ def _numerics_worker(
             err = (local.double() - ref).abs()
             assert (err <= bound + 1e-30).all(), (name, err.max().item())
     assert state.calls == 2
+    first = [m for m in records if "first reduce" in m]
+    assert len(first) == 1 and f"{grad_dtype} (" in first[0], records  # read as set, one run
+    # FSDP2's reduce dtype as each torch defines it: bf16 for an explicit bf16; unset is
+    # param_dtype (bf16) on torch <= 2.14 and the fp32 grad_dtype on 2.15
     bf16_reduce = [m for m in records if "reduce dtype resolves to bf16" in m]
-    assert len(bf16_reduce) == (1 if reduce_dtype in (None, torch.bfloat16) else 0), records
+    sums_bf16 = reduce_dtype == torch.bfloat16 or (
+        reduce_dtype is None and not fsdp_internals.PER_PARAM_GRAD_DTYPE
+    )
+    assert len(bf16_reduce) == (1 if sums_bf16 else 0), records
     assert dict(model.named_parameters())["unused"].grad is None  # unused: no gradient
     comm.remove(model)
     tide_rs.set_poison(None)
@@ -306,9 +316,10 @@ def test_tide_rs_matches_float64_sum(world, options):
 
 @pytest.mark.parametrize("reduce_dtype", [torch.bfloat16, None], ids=["bf16", "unset"])
 def test_tide_rs_bf16_reduce_dtype_sums_in_fp32(reduce_dtype):
-    """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16 or unset): FSDP2 drops
-    the reduce dtype and would sum in bf16; TIDE-RS sums in fp32 (the fp32 bound against
-    the float64 reference, which a bf16 sum misses) and says so once per group."""
+    """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16 or unset): FSDP2 sums in
+    bf16 where its torch resolves the reduce dtype to bf16 (explicit bf16; unset on torch
+    <= 2.14); TIDE-RS sums in fp32 (the fp32 bound against the float64 reference, which a
+    bf16 sum misses) and says so once per group where FSDP2 would not."""
     spawn(_numerics_worker, 2, {}, torch.bfloat16, reduce_dtype)
 
 
@@ -435,19 +446,36 @@ def test_rs_buffer_flat_in_world_size():
 
 
 def test_which_reduces_take_fsdp2_path():
-    """User all-reduce hooks, fp16 gradients and an explicit bf16 reduce dtype keep FSDP2's
-    path; HSDP (an all-reduce group) takes TIDE-RS (test_tide_rs_hsdp_with_partial_microbatch)."""
+    """User all-reduce hooks, fp16 gradients, mixed gradient dtypes without a reduce dtype and
+    a bf16 reduce dtype that is a cast (fp32 gradients) or whose result stays bf16 keep
+    FSDP2's path; HSDP (an all-reduce group) takes TIDE-RS
+    (test_tide_rs_hsdp_with_partial_microbatch). Reduce dtypes as FSDP2 passes them: None =
+    the gradients' dtype (torch <= 2.14), outputs = the sharded gradients' dtypes."""
+    from torchtitan_tide.comm.fsdp_internals import ReduceDtypes
     from torchtitan_tide.comm.reduce_scatter import rs_unsupported_reason
 
     bf16 = [torch.zeros(3, dtype=torch.bfloat16)]
-    fp32 = torch.float32
-    assert rs_unsupported_reason(bf16, fp32, fp32) is None
-    assert rs_unsupported_reason([torch.zeros(3)], None, fp32) is None  # fp32 grads, no MP
-    assert rs_unsupported_reason(bf16, fp32, fp32, all_reduce_group=object()) is None
-    assert "hook" in rs_unsupported_reason(bf16, fp32, fp32, all_reduce_hook=lambda t: None)
-    assert "float16" in rs_unsupported_reason([bf16[0].half()], fp32, fp32)
-    assert "reduce dtype" in rs_unsupported_reason(bf16, torch.bfloat16, fp32)
-    assert "mixed" in rs_unsupported_reason([bf16[0], torch.zeros(3)], fp32, fp32)
+    fp32, bf = torch.float32, torch.bfloat16
+    fp32_reduce = ReduceDtypes(fp32, (fp32,))
+    assert rs_unsupported_reason(bf16, fp32_reduce) is None
+    assert rs_unsupported_reason([torch.zeros(3)], ReduceDtypes(None, (fp32,))) is None  # no MP
+    assert rs_unsupported_reason(bf16, fp32_reduce, all_reduce_group=object()) is None
+    assert "hook" in rs_unsupported_reason(bf16, fp32_reduce, all_reduce_hook=lambda t: None)
+    assert "float16" in rs_unsupported_reason([bf16[0].half()], fp32_reduce)
+    # bf16 beside fp32 gradients (torch 2.15, an fp32 reduce): TIDE-RS, one run per dtype;
+    # torch <= 2.14 passes no reduce dtype (and its FSDP2 refuses mixed gradients itself)
+    mixed = [bf16[0], torch.zeros(3)]
+    assert rs_unsupported_reason(mixed, ReduceDtypes(fp32, (fp32,) * 2)) is None
+    assert "mixed" in rs_unsupported_reason(mixed, ReduceDtypes(None, (fp32,) * 2))
+    assert "reduce dtype" in rs_unsupported_reason(mixed, ReduceDtypes(bf, (fp32,) * 2))
+    # bf16 reduce of bf16 gradients into fp32 shards: torch <= 2.14 passes None (policy
+    # reduce_dtype unset or = param_dtype), 2.15 passes bf16: TIDE-RS sums in fp32
+    assert rs_unsupported_reason(bf16, ReduceDtypes(None, (fp32,))) is None
+    assert rs_unsupported_reason(bf16, ReduceDtypes(bf, (fp32,))) is None
+    # a bf16 reduce that casts fp32 gradients, or hands bf16 shards over: FSDP2's
+    assert "reduce dtype" in rs_unsupported_reason([torch.zeros(3)], ReduceDtypes(bf, (fp32,)))
+    assert "reduce dtype" in rs_unsupported_reason(bf16, ReduceDtypes(None, (bf,)))
+    assert "reduce dtype" in rs_unsupported_reason(bf16, ReduceDtypes(bf, (None,)))
 
 
 def test_rs_push_slices_skip_padding():

@@ -255,3 +255,14 @@ def test_phase2_yields_the_nic_to_an_earlier_all_gather(nodes, lws):
             ordered &= all(replay.happened_before(a, (r, st, i))
                            for a in ag for r, st, i, _ in ring)  # fmt: skip
         assert ordered == expect, (nodes, lws, yield_to_ag)
+
+
+def test_every_stream_the_window_transports_run_on_is_registered():
+    """Each CUDA stream the window transports name has a priority in ``streams`` (a name
+    missing there raised only on a GPU: found on the H200 at 5e22c7e, ``tide_fan``)."""
+    from torchtitan_tide.comm import streams
+    from torchtitan_tide.comm.transport import one_sided, windows
+
+    names = {*windows._STREAMS.values(), one_sided.AG_PUT_STREAM, "tide_one_sided_rs",
+             "tide_credit"}  # fmt: skip
+    assert names <= set(streams._PRIORITIES), names - set(streams._PRIORITIES)

@@ -257,3 +257,65 @@ def test_in_place_under_compile_ac_and_moe():
     stock FSDP2 (``_layouts.run_layout``: gradients after every backward, unsharded
     parameters after every all-gather, losses)."""
     spawn(_compiled_in_place, 2)
+
+
+def _interrupted_and_detached(rank: int, world: int) -> None:
+    """An exception between the in-place bind and the rounds (the own-shard write raises on
+    every rank): the pending plan is dropped and its range given back, so the arena is empty
+    again; then a forward with reshard_after_forward=False leaves groups bound in the arena,
+    and ``comm.remove`` gives every such parameter its bytes in its own storage (checked
+    against the full parameter, all-gathered here)."""
+    import torch
+
+    from torchtitan_tide import comm
+    from torchtitan_tide.comm import all_gather as tide_ag
+    from torchtitan_tide.comm import fsdp_patch
+
+    os.environ["TIDE_RMA_STANDIN"] = "1"
+    model = build(Scenario(reshard_after_forward=False), torch.device("cpu"))
+    comm.apply(model, "tide", local_world_size=1)
+    transports = {id(g._tide_ag_state.transport): g._tide_ag_state.transport
+                  for _, g in fsdp_patch.fsdp_param_groups(model)}.values()  # fmt: skip
+    tokens = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(rank))
+
+    def fail(outputs):
+        raise RuntimeError("planted: the own-shard write failed")
+
+    tide_ag.set_debug_hooks(before=fail)
+    try:
+        with pytest.raises(RuntimeError, match="planted"):
+            model(tokens)
+    finally:
+        tide_ag.set_debug_hooks()
+    assert all(t._pending is None for t in transports)
+    assert all(t.arena_in_use == 0 for t in transports), [t.arena_in_use for t in transports]
+    comm.remove(model)
+    dist.barrier()
+
+    model = build(Scenario(reshard_after_forward=False), torch.device("cpu"))
+    comm.apply(model, "tide", local_world_size=1)
+    transports = list({id(g._tide_ag_state.transport): g._tide_ag_state.transport
+                       for _, g in fsdp_patch.fsdp_param_groups(model)}.values())  # fmt: skip
+    with torch.no_grad():
+        model(tokens)  # every group stays unsharded: bound in the arena
+    bound = [fp for _, g in fsdp_patch.fsdp_param_groups(model) for fp in g.fsdp_params
+             if any(id(fp) in t._bindings for t in transports)]  # fmt: skip
+    assert bound, "no parameter was bound in the arena"
+    window = transports[0].slots.window.tensor
+    expected = []
+    for fp in bound:
+        full = [torch.empty_like(fp._sharded_param_data) for _ in range(world)]
+        dist.all_gather(full, fp._sharded_param_data.contiguous())
+        expected.append(torch.cat(full))
+    comm.remove(model)
+    start, end = window.data_ptr(), window.data_ptr() + window.numel()
+    for fp, want in zip(bound, expected):
+        got = fp.all_gather_outputs[0]
+        assert not start <= got.data_ptr() < end, "a parameter still points into the window"
+        torch.testing.assert_close(got, want.to(got.dtype), rtol=0, atol=0)
+    assert fsdp_patch.installed_refcount() == 0
+
+
+@pytest.mark.slow
+def test_an_interrupted_all_gather_and_a_remove_while_bound_lose_nothing():
+    spawn(_interrupted_and_detached, 2)

@@ -45,6 +45,7 @@ import collections
 import logging
 import weakref
 
+import torch
 from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedState
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
@@ -85,6 +86,7 @@ _FINALIZE = "finalize_backward"
 # All-gathers of TIDE that FSDP2 dropped at the end of a backward and TIDE resharded, per
 # group name (tests assert the path ran).
 dropped_all_gathers: collections.Counter = collections.Counter()
+_semantics_logged = False  # REDUCE_DTYPE_SEMANTICS: once per process
 
 
 def mark(param_group, ag_state: TideGroupState, rs_state: TideRSState | None) -> None:
@@ -271,8 +273,12 @@ _wrappers = {
 
 
 def acquire() -> None:
-    """Rebind FSDP2's three names to the wrappers (first model) or count one more."""
-    global _refcount
+    """Rebind FSDP2's three names to the wrappers (first model) or count one more; the
+    first call of the process logs how this torch defines FSDP2's reduce dtype."""
+    global _refcount, _semantics_logged
+    if not _semantics_logged:
+        _semantics_logged = True
+        logger.info("TIDE: torch %s: %s", torch.__version__, fsdp_internals.REDUCE_DTYPE_SEMANTICS)
     if _refcount == 0:
         for name in fsdp_internals.PATCHED_NAMES:
             _originals[name] = fsdp_internals.get_patched(name)

@@ -246,7 +246,7 @@ def _build_plans(
             ParamSpec(
                 fqn=fsdp_internals.param_fqn(fp, fqns),
                 shard_numel=fp._sharded_param_data.numel(),
-                dtype=str(fsdp_internals.ag_dtype(fp, c.pg.mp_policy)),
+                dtype=str(fsdp_internals.ag_dtype(fp, c.pg)),
                 unsupported=fsdp_internals.unsupported_param_reason(fp),
             )
             for fp in c.pg.fsdp_params

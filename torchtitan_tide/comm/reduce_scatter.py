@@ -58,7 +58,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import kernels, streams
+from . import fsdp_internals, kernels, streams
+from .fsdp_internals import ReduceDtypes
 from .options import RS_WIRE_DTYPES
 from .plan import RSChunk, RSPlan, WorldLayout, build_rs_plan
 from .poison import poisoned as _poisoned
@@ -261,48 +262,54 @@ def check_gradient_sets(state: TideRSState, param_group, fsdp_params: list) -> N
 
 def rs_unsupported_reason(
     grads: list[torch.Tensor],
-    reduce_dtype: torch.dtype | None,
-    orig_dtype: torch.dtype | None,
+    dtypes: ReduceDtypes,
     all_reduce_group: dist.ProcessGroup | None = None,
     all_reduce_hook: object = None,
 ) -> str | None:
     """Why this reduce must take FSDP2's own path, or None. TIDE-RS moves bf16
-    or fp32 gradients and accumulates in fp32, so the reduce dtype must be fp32
-    (or unset: see :func:`rs_numerics_note`). HSDP runs TIDE-RS on the shard group
-    and FSDP2's all-reduce across replicas (``all_reduce_group`` is accepted);
-    a user all-reduce hook keeps FSDP2's path."""
+    or fp32 gradients, each in its own dtype (torch 2.15 hands over both in one group:
+    :func:`dtype_runs`), and accumulates in fp32, so FSDP2's reduce dtype
+    (``dtypes``, as the running torch defines it: :func:`fsdp_internals.reduce_dtypes`)
+    must be fp32, or the gradients' own dtype with fp32 sharded gradients (then TIDE-RS's
+    fp32 sum is more accurate than FSDP2's: :func:`rs_numerics_note`). HSDP runs TIDE-RS on
+    the shard group and FSDP2's all-reduce across replicas (``all_reduce_group`` is
+    accepted); a user all-reduce hook keeps FSDP2's path."""
     del all_reduce_group
     if all_reduce_hook is not None:
         return "a user all-reduce hook is set: FSDP2's path"
-    dtypes = {g.dtype for g in grads}
-    if len(dtypes) != 1:
-        return f"mixed gradient dtypes {sorted(str(d) for d in dtypes)}"
-    grad_dtype = dtypes.pop()
-    if grad_dtype not in (torch.bfloat16, torch.float32):
-        return f"gradient dtype {grad_dtype} (TIDE-RS moves bf16 or fp32)"
-    effective = reduce_dtype or grad_dtype
-    if effective != torch.float32 and (reduce_dtype is not None or orig_dtype != torch.float32):
+    grad_dtypes = {g.dtype for g in grads}
+    if other := sorted(str(d) for d in grad_dtypes - {torch.bfloat16, torch.float32}):
+        return f"gradient dtype {', '.join(other)} (TIDE-RS moves bf16 or fp32)"
+    if len(grad_dtypes) > 1 and dtypes.reduce is None:  # FSDP2 <= 2.14 refuses these too
+        return f"mixed gradient dtypes {sorted(str(d) for d in grad_dtypes)} and no reduce dtype"
+    effective = dtypes.reduce or next(iter(grad_dtypes))
+    if effective != torch.float32 and (
+        grad_dtypes != {effective} or any(o != torch.float32 for o in dtypes.outputs)
+    ):
         return f"reduce dtype {effective} (TIDE-RS accumulates and outputs fp32)"
     return None
 
 
-def rs_numerics_note(
-    grads: list[torch.Tensor], reduce_dtype: torch.dtype | None, orig_dtype: torch.dtype | None
-) -> str | None:
+def rs_numerics_note(grads: list[torch.Tensor], dtypes: ReduceDtypes) -> str | None:
     """What TIDE-RS does differently from FSDP2's numerics for this reduce, or None.
 
-    FSDP2 drops ``reduce_dtype`` when it equals ``param_dtype`` (and leaves it unset by
-    default), so with bf16 parameters over fp32 master weights its reduce-scatter sums
-    in bf16 and casts the bf16 sum to fp32. TIDE-RS moves the same bf16 gradients but
-    always accumulates in fp32 and keeps the fp32 sum: closer to the exact sum, not
-    bitwise FSDP2's (docs/design/2026-12-01-cluster-layouts.md)."""
+    Where FSDP2's reduce dtype is bf16 with bf16 gradients and fp32 sharded gradients,
+    FSDP2 sums in bf16 and casts the bf16 sum to fp32. torch 2.11-2.14 resolve to that
+    when ``reduce_dtype`` is unset or equal to ``param_dtype``; 2.15 only when
+    ``reduce_dtype=torch.bfloat16`` (unset follows the fp32 ``grad_dtype``). TIDE-RS moves
+    the same bf16 gradients but always accumulates in fp32 and keeps the fp32 sum: closer
+    to the exact sum, not bitwise FSDP2's (docs/design/2026-12-01-cluster-layouts.md)."""
     bf16_grads = bool(grads) and grads[0].dtype == torch.bfloat16
-    if reduce_dtype is None and bf16_grads and orig_dtype == torch.float32:
+    if bf16_grads and (dtypes.reduce or torch.bfloat16) == torch.bfloat16:
+        why = (
+            "MixedPrecisionPolicy reduce_dtype=bf16"
+            if fsdp_internals.PER_PARAM_GRAD_DTYPE
+            else "MixedPrecisionPolicy reduce_dtype unset or equal to param_dtype"
+        )
         return (
-            "reduce dtype resolves to bf16 (MixedPrecisionPolicy reduce_dtype unset or equal "
-            "to param_dtype): FSDP2 would sum in bf16; TIDE-RS moves bf16 and sums in fp32 "
-            "into the fp32 gradient (more accurate; [tide] reduce_scatter = 'fsdp2' keeps "
-            "FSDP2's bf16 sum)"
+            f"reduce dtype resolves to bf16 ({why}): FSDP2 would sum in bf16; TIDE-RS moves "
+            "bf16 and sums in fp32 into the fp32 gradient (more accurate; [tide] "
+            "reduce_scatter = 'fsdp2' keeps FSDP2's bf16 sum)"
         )
     return None
 
@@ -310,6 +317,23 @@ def rs_numerics_note(
 def wire_label(wire_dtype: torch.dtype) -> str:
     """How logs name phase 2's wire dtype, after its transport: "wire bf16"."""
     return f"wire {_SHORT.get(wire_dtype, str(wire_dtype))}"
+
+
+def dtype_runs(grads: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """``[start, stop)`` ranges of consecutive gradients of one dtype, in order: one range
+    for a group of one gradient dtype. torch 2.15 leaves each gradient in the dtype autograd
+    computes it in (FSDP2 defers the upcast to ``grad_dtype``), so one FSDP group may hand
+    over bf16 gradients (matmul weights) beside fp32 ones (norm weights computed in fp32,
+    TP-replicated parameters FSDP2 keeps in fp32); TIDE-RS moves each run in its dtype into
+    its contiguous range of the output, where FSDP2 casts both to fp32
+    (docs/design/2026-12-07-torch-versions.md)."""
+    runs: list[tuple[int, int]] = []
+    for i, g in enumerate(grads):
+        if runs and grads[runs[-1][0]].dtype == g.dtype:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
 
 
 def rows_per_round(state: TideRSState, shard_numel: int, itemsize: int) -> int:
@@ -327,8 +351,9 @@ def rows_per_round(state: TideRSState, shard_numel: int, itemsize: int) -> int:
 def stock_reason(
     state: TideRSState, fsdp_params: list, unsharded_grads: list[torch.Tensor], call: dict,
     dispatch_reason: str | None = None,
-) -> tuple[str | None, int]:
-    """``(why this reduce must take FSDP2's path or None, TIDE-RS rows per round)``
+) -> tuple[str | None, tuple[int, ...]]:
+    """``(why this reduce must take FSDP2's path or None, TIDE-RS rows per round of each
+    dtype run (:func:`dtype_runs`))``
     for FSDP2's ``foreach_reduce`` arguments ``call``; ``dispatch_reason``: the
     dispatcher's reason (a custom reduce-scatter set after ``comm.apply``, another
     reduce-scatter process group), checked first.
@@ -338,20 +363,22 @@ def stock_reason(
             microbatches without all-reduce (TIDE's are divided already, FSDP2's
             are not: a silent scale error).
     """
-    reason, rows = dispatch_reason, 0
+    reason, rows = dispatch_reason, ()
     if reason is None:
         reason = rs_unsupported_reason(
-            unsharded_grads, call["reduce_dtype"], call["orig_dtype"], call["all_reduce_group"],
-            call["all_reduce_hook"],
+            unsharded_grads, fsdp_internals.reduce_dtypes(call, fsdp_params),
+            call["all_reduce_group"], call["all_reduce_hook"],
         )  # fmt: skip
-    if reason is None:
-        shard_numel = sum(fp._sharded_param_data.numel() for fp in fsdp_params)
-        rows = rows_per_round(state, shard_numel, unsharded_grads[0].element_size())
-        if rows == 0:
+    for start, stop in dtype_runs(unsharded_grads) if reason is None else ():
+        shard_numel = sum(fp._sharded_param_data.numel() for fp in fsdp_params[start:stop])
+        dtype = unsharded_grads[start].dtype
+        rows += (rows_per_round(state, shard_numel, dtype.itemsize),)
+        if rows[-1] == 0:
             reason = (
-                f"{shard_numel} x {unsharded_grads[0].dtype} gradients per shard do not fit "
+                f"{shard_numel} x {dtype} gradients per shard do not fit "
                 "one staging row of the copy-engine slots"
             )
+            break
     pending = call.get("partial_reduce_output") is not None
     if reason is not None and pending and state.partial_from_tide:
         raise RuntimeError(
@@ -391,13 +418,12 @@ def try_reduce(
         _say_stock_once(state, reason)
         return None
     check_gradient_sets(state, param_group, fsdp_params)
-    if state.calls == 0 and (note := rs_numerics_note(
-        unsharded_grads, call["reduce_dtype"], call["orig_dtype"]
-    )):  # fmt: skip
+    dtypes = fsdp_internals.reduce_dtypes(call, fsdp_params)
+    if state.calls == 0 and (note := rs_numerics_note(unsharded_grads, dtypes)):
         logger.info("TIDE-RS %s: %s", state.fqn, note)
     result = tide_reduce(
         state, fsdp_params, unsharded_grads, call["reduce_scatter_stream"],
-        call["orig_dtype"], call["device"], call["gradient_divide_factor"],
+        dtypes.outputs, call["device"], call["gradient_divide_factor"],
         rows=rows,
         all_reduce_group=call["all_reduce_group"],
         all_reduce_stream=call["all_reduce_stream"],
@@ -468,10 +494,10 @@ def tide_reduce(
     fsdp_params: list,
     unsharded_grads: list[torch.Tensor],
     reduce_scatter_stream: torch.Stream,
-    orig_dtype: torch.dtype | None,
+    output_dtypes: tuple[torch.dtype | None, ...],
     device: torch.device,
     gradient_divide_factor: float | None,
-    rows: int,
+    rows: tuple[int, ...],
     all_reduce_group: dist.ProcessGroup | None = None,
     all_reduce_stream: torch.Stream | None = None,
     all_reduce_grads: bool = True,
@@ -479,9 +505,12 @@ def tide_reduce(
 ) -> TideReduceResult:
     """Reduce-scatter one FSDP group's gradients with TIDE-RS and hand the fp32
     shards to FSDP exactly as ``foreach_reduce`` does (new ``.grad`` or
-    accumulation into it, post-accumulate hooks). ``unsharded_grads`` is cleared
-    (references dropped) as FSDP expects. The caller checked
-    ``rs_unsupported_reason`` and chose ``rows`` (>= 1) with :func:`rows_per_round`.
+    accumulation into it, post-accumulate hooks), each cast to its parameter's
+    ``output_dtypes`` entry (``ReduceDtypes.outputs``; None or fp32: no cast).
+    ``unsharded_grads`` is cleared (references dropped) as FSDP expects. The caller checked
+    ``rs_unsupported_reason`` and chose ``rows`` (>= 1) with :func:`rows_per_round`, one
+    entry per dtype run (:func:`dtype_runs`): each run is planned and moved in its own
+    dtype into its contiguous range of the output (FSDP's reduce-output layout).
 
     HSDP (``all_reduce_group``): the TIDE-RS shard is all-reduced (SUM, the
     division already done) across replicas on FSDP's ``all_reduce_stream``, as
@@ -493,12 +522,16 @@ def tide_reduce(
     grads = [
         g.reshape(-1) if g.is_contiguous() else g.contiguous().view(-1) for g in unsharded_grads
     ]
-    plan = state.plan_for(
-        tuple(g.numel() for g in grads),
-        tuple(fp._sharded_param_data.numel() for fp in fsdp_params),
-        rows,
-    )
-    segments, shard_numel = plan.segments, plan.shard_numel
+    runs: list[tuple[int, int, int, RSPlan]] = []  # start, stop, output offset, plan
+    shard_numel = 0
+    for (start, stop), run_rows in zip(dtype_runs(grads), rows, strict=True):
+        plan = state.plan_for(
+            tuple(g.numel() for g in grads[start:stop]),
+            tuple(fp._sharded_param_data.numel() for fp in fsdp_params[start:stop]),
+            run_rows,
+        )
+        runs.append((start, stop, shard_numel, plan))
+        shard_numel += plan.shard_numel
     final_divisor = _divide_factor(state.group, gradient_divide_factor, all_reduce_group)
     cuda = device.type == "cuda"
     if cuda:
@@ -514,38 +547,44 @@ def tide_reduce(
         logger.info(
             "TIDE-RS %s: first reduce, %d params, %d elements per shard, %s gradients, "
             "%s, accumulate: %s%s",
-            state.fqn, len(grads), shard_numel, grads[0].dtype if grads else None,
+            state.fqn, len(grads), shard_numel,
+            " + ".join(f"{grads[a].dtype} ({p.shard_numel})" for a, _, _, p in runs) or None,
             layout.shape, kernels.triton_status() if cuda else "torch",
             "" if num_nodes == 1 else
             f", cross-node {state.cross_node.name if state.cross_node else None}, "
             f"{wire_label(state.buffers.wire_dtype)}",
         )  # fmt: skip
     state.calls += 1
-    if state.cross_node is not None:
-        state.cross_node.begin_reduce()
 
     with _stream_ctx(comm):
         out = _poisoned(torch.empty(shard_numel, dtype=torch.float32, device=device))
-        for chunk in plan.chunks:
-            own = chunk.cross_peers is None
-            slot = -1
-            if own:
-                target = out
-            else:
-                slot, target = state.buffers.take_partial(shard_numel, device)
-            for rnd, pushes in zip(chunk.rounds, chunk.pushes):
-                divisor = final_divisor if (own and num_nodes == 1 and rnd.last) else 1.0
-                state.transport.reduce_rows(
-                    layout, rank, rnd, pushes, grads, segments, state.group, target,
-                    divisor=divisor, num_ctas=state.ctas,
-                )  # fmt: skip
-            if chunk.cross_peers is not None:
-                is_last = chunk.chunk_node == (node + num_nodes - 1) % num_nodes
-                _cross_node_step(
-                    state, target, slot, chunk, out, final_divisor if is_last else 1.0, cross
-                )
+        for start, stop, offset, plan in runs:
+            run_out, run_grads = out.narrow(0, offset, plan.shard_numel), grads[start:stop]
+            if state.cross_node is not None:
+                state.cross_node.begin_reduce()
+            for chunk in plan.chunks:
+                own = chunk.cross_peers is None
+                slot = -1
+                if own:
+                    target = run_out
+                else:
+                    slot, target = state.buffers.take_partial(plan.shard_numel, device)
+                for rnd, pushes in zip(chunk.rounds, chunk.pushes):
+                    divisor = final_divisor if (own and num_nodes == 1 and rnd.last) else 1.0
+                    state.transport.reduce_rows(
+                        layout, rank, rnd, pushes, run_grads, plan.segments, state.group,
+                        target, divisor=divisor, num_ctas=state.ctas,
+                    )  # fmt: skip
+                if chunk.cross_peers is not None:
+                    is_last = chunk.chunk_node == (node + num_nodes - 1) % num_nodes
+                    _cross_node_step(
+                        state, target, slot, chunk, run_out, final_divisor if is_last else 1.0,
+                        cross,
+                    )  # fmt: skip
         reduce_scatter_event = _record(comm, reduce_scatter_stream)
     del grads  # the gradients' memory returns to the allocator after phase 1 (record_stream)
+    # (segment, its offset in ``out``), in ``fsdp_params`` order
+    segments = [(seg, offset + seg.out_offset) for _, _, offset, p in runs for seg in p.segments]
     post_stream = cross if cross is not None else comm
     if cross is not None:
         out.record_stream(cross)
@@ -554,10 +593,10 @@ def tide_reduce(
     with _stream_ctx(post_stream):
         # Padding elements of this rank's shard (never read by FSDP's views) are
         # zero, as in FSDP2's reduce-scatter input.
-        for seg in segments:
+        for seg, offset in segments:
             valid = seg.valid(rank)
             if valid < seg.shard_numel:
-                out.narrow(0, seg.out_offset + valid, seg.shard_numel - valid).zero_()
+                out.narrow(0, offset + valid, seg.shard_numel - valid).zero_()
         if all_reduce_group is not None:
             if not all_reduce_grads:  # microbatch without sync: keep the partial sum
                 if partial_reduce_output is not None:
@@ -581,14 +620,18 @@ def tide_reduce(
             # FSDP holds these across layers so the block outlives the all-reduce.
             all_reduce_input, all_reduce_event = out, _record(post_stream, fsdp_stream)
     with _stream_ctx(post_stream):
-        grad_out = out if orig_dtype in (None, torch.float32) else out.to(orig_dtype)
-        for seg, fsdp_param in zip(segments, fsdp_params):
+        casts = [None if d in (None, torch.float32) else d for d in output_dtypes]
+        one_cast = len(set(casts)) == 1 and casts[0] is not None  # one kernel, then views
+        grad_out = out.to(casts[0]) if one_cast else out
+        for (_, offset), fsdp_param, cast in zip(segments, fsdp_params, casts, strict=True):
             new_sharded_grad = torch.as_strided(
                 grad_out,
                 size=fsdp_param.sharded_size,
                 stride=fsdp_param.contiguous_sharded_stride,
-                storage_offset=seg.out_offset,
+                storage_offset=offset,
             )
+            if cast is not None and not one_cast:
+                new_sharded_grad = new_sharded_grad.to(cast)
             sharded_param = fsdp_param.sharded_param
             if sharded_param.grad is not None:
                 sharded_param.grad._local_tensor += new_sharded_grad

@@ -6,6 +6,8 @@
 - ``"tide_one_sided"`` / ``"tide_one_sided_rs"`` (-1): the NCCL one-sided puts, signals
   and waits of the windows' rounds (``transport.windows``) / TIDE-RS phase 2
   (``transport.one_sided``), nothing else.
+- ``"tide_fan"`` (-1): the windows' node-local puts and signals (the fan-out, TIDE-RS's
+  node-local rounds), beside the cross-node puts of ``"tide_one_sided"``.
 - ``"tide_place"`` (-1): the windows' placement copies and their waits on local peers.
 - ``"tide_credit"`` (-1): the credits of the windows' in-place all-gather (a signal per
   writer after a reshard point of the compute stream), nothing else.
@@ -30,7 +32,7 @@ __all__ = ["empty_on", "run_beside", "stream"]
 
 _PRIORITIES = {
     "tide": -1, "tide_rs_cross": -1, "tide_one_sided": -1, "tide_one_sided_rs": -1,
-    "tide_place": -1, "tide_credit": -1,
+    "tide_fan": -1, "tide_place": -1, "tide_credit": -1,
     "tide_rs_accumulate": 0, "symm_mem_side": 0,
 }  # fmt: skip
 _streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}

@@ -271,18 +271,24 @@ class WindowTransport:
         dropped without a reshard, or did not complete): every parameter of such a range
         is pointed back at its own empty memory, the range freed and every writer credited,
         as a reshard would (on the stream current here)."""
-        from .. import fsdp_patch
-
         bindings = {id(b): b for fp in fsdp_params if (b := self._bindings.get(id(fp)))}
         for binding in bindings.values():
-            members = list(binding.params.values())
-            swap_storage_pairs([(fp.all_gather_outputs[0].untyped_storage(), held)
-                                for fp, held in members])  # fmt: skip
-            for fp, _ in members:
-                del self._bindings[id(fp)]
-                fsdp_patch.drop_unsharded(fp)
-            binding.params.clear()
+            self._unbind(binding)
             self._give_range(binding)
+
+    def _unbind(self, binding: _Binding) -> list[tuple[object, torch.UntypedStorage]]:
+        """Point every parameter still in ``binding`` back at its own empty memory (one
+        batch of swaps) and forget it; returns ``(FSDPParam, storage now over the range)``."""
+        from .. import fsdp_patch
+
+        members = list(binding.params.values())
+        swap_storage_pairs([(fp.all_gather_outputs[0].untyped_storage(), held)
+                            for fp, held in members])  # fmt: skip
+        for fp, _ in members:
+            del self._bindings[id(fp)]
+            fsdp_patch.drop_unsharded(fp)
+        binding.params.clear()
+        return members
 
     def cancel_pending(self) -> None:
         """An exception between :meth:`bind_in_place` and :meth:`gather`: forget the bound
@@ -319,8 +325,6 @@ class WindowTransport:
         """Before the window is freed (``comm.remove``): every parameter still pointed at
         the arena is pointed back at its own storage, which gets the bytes in memory of its
         own (FSDP2's storage, resized by its allocator: no owning swap; nothing lost)."""
-        from .. import fsdp_patch
-
         self._pending = None
         if not self._bindings:
             return
@@ -329,17 +333,11 @@ class WindowTransport:
             torch.cuda.synchronize(device)  # the puts have landed
         bindings = {id(b): b for b in self._bindings.values()}
         for binding in bindings.values():
-            members = list(binding.params.values())
-            swap_storage_pairs([(fp.all_gather_outputs[0].untyped_storage(), held)
-                                for fp, held in members])  # fmt: skip
-            for fp, held in members:
-                del self._bindings[id(fp)]
-                fsdp_patch.drop_unsharded(fp)
+            for fp, held in self._unbind(binding):
                 storage = fp.all_gather_outputs[0].untyped_storage()
                 storage.resize_(held.nbytes())
                 own = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
                 own.copy_(torch.empty(0, dtype=torch.uint8, device=device).set_(held))
-            binding.params.clear()
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # before the window goes
 
