@@ -6,7 +6,7 @@
 Reads the TOML's model as FSDP2 groups it (``torchtitan_tide/fsdp_groups.py``: built on
 the meta device, nothing distributed is applied), takes the FSDP shard degree from
 ``--gpus`` and ``[parallelism]`` and the dtypes from ``[training]``, and prints
-:func:`torchtitan_tide.comm.memory_plan.plan_memory` for every mode as a table (GiB);
+:func:`torchtitan_tide.comm.plans.memory_plan.plan_memory` for every mode as a table (GiB);
 the row ``tide, reduce_scatter="fsdp2"`` is the plan's ``tide_ag`` mode (TIDE-AG with
 FSDP2's reduce-scatter). ``--formulas`` adds how each figure is computed; ``--json`` also
 writes everything, in bytes (modes under the plan's keys).

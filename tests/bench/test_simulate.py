@@ -12,6 +12,7 @@ import json
 import pytest
 
 from torchtitan_tide.comm.plans.memory_plan import CommDtypes, GroupShape
+from torchtitan_tide.comm.plans.window_rounds import RS_PIECE_BYTES
 from torchtitan_tide.simulator import cli, cluster, inputs, network, report
 from torchtitan_tide.simulator import step as sim
 from torchtitan_tide.simulator.engine import Op, SimulationError, simulate, summarize
@@ -77,6 +78,38 @@ def test_cycles_and_unknown_dependencies_are_errors():
         simulate([Op("a", "compute", 1.0, after=("b",)), Op("b", "nccl", 1.0, after=("a",))])
 
 
+def test_a_run_of_alike_ops_gets_each_op_its_own_span():
+    """Consecutive ops of a stream that progress alike run as one unit (engine._runs); each
+    op still gets the span it would have alone: here a, b, c (2 ms each) share a link with
+    x from 1 ms on, so a ends at 3, b and x at 7, c at 9; the same when another op waits for
+    b (no run)."""
+    from torchtitan_tide.simulator.engine import _check, _runs
+
+    ops = [Op("a", "s", 2.0, "ce", link="L"), Op("b", "s", 2.0, "ce", after=("a",), link="L"),
+           Op("c", "s", 2.0, "ce", after=("b",), link="L"), Op("w", "t", 1.0, "ce"),
+           Op("x", "t", 3.0, "ce", link="L")]  # fmt: skip
+    assert len(_runs(ops, _check(ops))[0]) == 3  # a, b, c as one
+    want = {"a": (0, 3), "b": (3, 7), "c": (7, 9), "w": (0, 1), "x": (1, 7)}
+    for case in (ops, [*ops, Op("y", "u", 1.0, after=("b",))]):
+        got = {s.op.name: (s.start_ms, s.end_ms) for s in simulate(case)}
+        for name, (start, end) in want.items():
+            assert got[name] == (pytest.approx(start), pytest.approx(end)), name
+
+
+def test_every_device_slows_and_links_its_own():
+    """Ops carry their GPU (local rank): compute of rank 1 is not slowed by rank 0's
+    collective, rank 0's is; a link belongs to one device."""
+    ops = [Op("rs", "nccl", 4.0, "rs"),
+           Op("gemm", "compute", 10.0, slowdown={"rs": 0.5}),
+           Op("gemm@1", "compute@1", 10.0, slowdown={"rs": 0.5}, device=1)]  # fmt: skip
+    by = _by_name(simulate(ops))
+    assert by["gemm"].end_ms == pytest.approx(4.0 + 10.0 - 4.0 / 1.5)
+    assert by["gemm@1"].end_ms == pytest.approx(10.0)
+    with pytest.raises(SimulationError, match="belongs to device 0"):
+        simulate([Op("p", "a", 1.0, "nic", link="nic"), Op("q", "b", 1.0, "nic", link="nic",
+                                                           device=1)])  # fmt: skip
+
+
 def _inputs(compute: dict[str, tuple[float, float]], ag=1.0, rs=1.0, **kw) -> inputs.Inputs:
     """Hand-made inputs: every mode's transports at ``ag`` / ``rs`` GiB/s, no cast, no
     layout copies; ``engines``: (f, g) per engine (default: no interference)."""
@@ -111,20 +144,23 @@ def test_slow_layer_exposes_the_next_all_gather():
 
 
 def _phase2(by: dict, group: str) -> list:
-    """The spans of TIDE-RS phase 2 of ``group`` (its ring steps or send/recv)."""
-    return sorted((sp for n, sp in by.items() if n.startswith(f"{group}.rs.") and ".p2" in n),
-                  key=lambda sp: sp.start_ms)  # fmt: skip
+    """The spans of TIDE-RS phase 2 of ``group`` on local rank 0 (its ring steps or
+    send/recv)."""
+    return sorted((sp for n, sp in by.items() if n.startswith(f"{group}.rs.") and ".p2" in n
+                   and sp.op.device == 0), key=lambda sp: sp.start_ms)  # fmt: skip
 
 
 def _phase1(by: dict, group: str) -> list:
     return sorted((sp for n, sp in by.items() if n.startswith(f"{group}.rs.") and ".p2" not in n
-                   and not n.endswith("_issue")), key=lambda sp: sp.start_ms)  # fmt: skip
+                   and not n.endswith("_issue") and sp.op.device == 0),
+                  key=lambda sp: sp.start_ms)  # fmt: skip
 
 
 def test_tide_rs_phases_pipeline_across_groups():
     # 16 GPUs = 2 nodes x 8 on NCCL 2.31: TIDE-RS phase 1 on NCCL windows (rs_round_ops),
-    # phase 2 on the one-sided ring (ring_step_ops) over a slow NIC; no compute, so the
-    # four reduce-scatters queue at once; accumulate kernels free
+    # phase 2 on the one-sided ring (ring_step_ops, the partial in pieces of at most
+    # RS_PIECE_BYTES, run as one op: nothing is waited between them) over a slow NIC; no
+    # compute, so the four reduce-scatters queue at once; accumulate kernels free
     groups = _groups(4)
     s = GIB_BF16 // 16
     clu = cluster.Cluster(gpus_per_node=8, nic_gbps_per_gpu=2**30 * 8 / 1e9, nccl_version="2.31.2")
@@ -136,16 +172,19 @@ def test_tide_rs_phases_pipeline_across_groups():
     puts = [sp for sp in _phase2(by, "layers.3") if sp.op.name.endswith(".Put")]
     assert len(puts) == 1 and puts[0].op.kind == "nic" and puts[0].op.stream == "tide_rs_cross"
     nic = network.nic_gibps(clu.net_gibps)
-    cross = 1e3 * s * 4 / (nic * 2**30) + NET_STEP_US / 1e3  # one fp32 partial, one step
-    assert puts[0].op.duration_ms == pytest.approx(cross)
-    assert {sp.op.stream for sp in _phase1(by, "layers.3")} <= {"rs_local", "tide_one_sided"}
+    pieces = -(-s * 4 // RS_PIECE_BYTES)
+    cross = 1e3 * s * 4 / (nic * 2**30) + pieces * NET_STEP_US / 1e3  # one fp32 partial
+    assert pieces > 1 and puts[0].op.duration_ms == pytest.approx(cross)
+    assert {sp.op.stream for sp in _phase1(by, "layers.3")} <= {"rs_local", "tide_fan"}
     # phase 1 of the next group runs while phase 2 of the previous one is in flight
     assert _phase1(by, "layers.2")[0].start_ms < _phase2(by, "layers.3")[-1].end_ms
     # bf16 partials on the wire: half the bytes
     bf16 = sim.TideModel(rs_inflight=4, rs_rows=8, slot_reuse=False, rs_wire_bytes=2)
     by2 = _by_name(sim.simulate_step(groups, ins, "tide", lay, clu, DTYPES, bf16)[1])
     put2 = next(sp for sp in _phase2(by2, "layers.3") if sp.op.name.endswith(".Put"))
-    assert put2.op.duration_ms == pytest.approx((cross - NET_STEP_US / 1e3) / 2 + NET_STEP_US / 1e3)
+    step = NET_STEP_US / 1e3
+    assert put2.op.duration_ms == pytest.approx((cross - pieces * step) / 2
+                                                + -(-s * 2 // RS_PIECE_BYTES) * step)  # fmt: skip
 
 
 def test_tide_rs_run_ahead_bound_waits_for_partials():
@@ -434,6 +473,12 @@ def test_cli_prints_rows_and_sources(tmp_path, capsys):
     assert {r["mode"] for r in rows} == set(inputs.MODES) and rows[0]["nodes"] == 2
     with pytest.raises(SystemExit):
         cli.main(["--config", "h200x2_llama70b_4layers", "--gpus", "12"])  # not whole nodes
+    nccl231 = "train_configs/clusters/h200_8x400g_nccl231.toml"
+    assert cli.main(["--config", "h200x2_llama70b_4layers", "--gpus", "16", "--modes", "tide",
+                     "--cluster", nccl231]) == 0  # fmt: skip
+    assert "windows, phase 2 one_sided, in place (every local rank simulated" in (
+        capsys.readouterr().out
+    )
 
 
 def test_inputs_fall_back_to_flops_when_the_trace_has_other_layers():

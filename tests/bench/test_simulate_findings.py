@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import itertools
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -61,20 +62,24 @@ def test_a_stock_ring_across_nodes_runs_at_its_nics_not_the_two_gpu_channels():
 
 
 def test_b_placement_and_pack_copies_are_local_hbm_copies():
-    """TIDE's placement (Place) and TIDE-RS's pack (PackSlices) are local HBM-to-HBM
-    copies: engine ``ce_local`` on the GPU's HBM, at the local copy rate, stretched beside
-    compute by the most pessimistic figure the project has (the one-GPU same-device copy,
-    +1116% beside large GEMMs) until the copy engine's own is measured. Before, they were
-    charged as NVLink copies (+1.8%)."""
-    by = _step("llama70b_tide", NEW)
+    """TIDE's placement (Place, on the placement path: in place off) and TIDE-RS's pack
+    (PackSlices) are local HBM-to-HBM copies: engine ``ce_local`` on the GPU's HBM, at the
+    local copy rate, stretched beside compute by the most pessimistic figure the project
+    has (the one-GPU same-device copy, +1116% beside large GEMMs) until the copy engine's
+    own is measured. Before, they were charged as NVLink copies (+1.8%). In place at 8 x 8
+    (what ``auto`` runs, issue 45) the all-gather has neither a pack nor a placement copy."""
+    placed = _step("llama70b_tide", NEW, ag_in_place_groups=0)
+    in_place = _step("llama70b_tide", NEW)
     ins = _inputs("llama70b_tide")
-    places = [s.op for n, s in by.items() if n.endswith(".Place")]
-    packs = [s.op for n, s in by.items() if n.endswith(".PackSlices")]
+    places = [s.op for n, s in placed.items() if n.endswith(".Place")]
+    packs = [s.op for n, s in in_place.items() if n.split("@")[0].endswith(".PackSlices")]
     assert places and packs
+    assert not [n for n in in_place if ".ag." in n and n.split("@")[0].endswith(
+        (".Place", ".PackOwn"))]  # fmt: skip
     g = ins.engines["ce_local"][1]
     assert g > 5  # the one-GPU copy_'s own stretch, mixed over Llama's classes
     for op in places + packs:
-        assert (op.kind, op.link, op.slowdown["compute"]) == ("ce_local", "hbm", g)
+        assert (op.kind, op.link.split("@")[0], op.slowdown["compute"]) == ("ce_local", "hbm", g)
     rows = {(r["engine"], r["compute_class"]): r for r in ins.figures}
     assert rows[("ce_local", "large")]["kind"] == interference.PESSIMISTIC
     assert rows[("ce_local", "large")]["comm_slowdown_pct"] == pytest.approx(1115.75, abs=0.1)
@@ -93,10 +98,15 @@ def test_c_one_nic_per_gpu_carries_every_cross_node_byte():
     assert by["ag_put"].end_ms == pytest.approx(8.0) and by["rs_put"].end_ms == pytest.approx(8.0)
     assert by["ag_put2"].end_ms == pytest.approx(12.0)  # FIFO behind ag_put on its communicator
     spans = _step("qwen3_30b_a3b_tide", NEW, groups=6).values()
+    links = {s.op.link for s in spans if s.op.link.split("@")[0] == "nic"}
+    assert links == {"nic", *(f"nic@{d}" for d in range(1, 8))}  # one NIC per local rank
+    for link in links:
+        nic = [s for s in spans if s.op.link == link]
+        assert {s.op.stream.split("@")[0] for s in nic} >= {"tide_one_sided", "tide_rs_cross"}
+        assert {s.op.device for s in nic} == {nic[0].op.device}
+        busy = sum(b - a for a, b in merge((s.start_ms, s.end_ms) for s in nic))
+        assert sum(s.op.duration_ms for s in nic) <= busy + 1e-6
     nic = [s for s in spans if s.op.link == "nic"]
-    assert {s.op.stream for s in nic} >= {"tide_one_sided", "tide_rs_cross"}
-    busy = sum(b - a for a, b in merge((s.start_ms, s.end_ms) for s in nic))
-    assert sum(s.op.duration_ms for s in nic) <= busy + 1e-6
     assert any(s.end_ms - s.start_ms > s.op.duration_ms * 1.5 for s in nic)  # it did share
 
 
@@ -132,47 +142,60 @@ def _baseline():
     return report.baseline_rows(inputs.RESULTS, cluster.Cluster(), gpus=16)
 
 
+def _overlap(a, b) -> bool:
+    return max(a.start_ms, b.start_ms) < min(a.end_ms, b.end_ms)
+
+
 def test_e_window_streams_as_the_code_issues_them(monkeypatch):
-    """The fan-out puts of ``ag_round_ops`` go on the put stream, so the next exchange's
-    cross-node put waits behind the previous wave's fan-out; a plan that moves the fan-out
-    to a stream of its own (issue 45) is simulated so, with no edit of the simulator.
-    Before, the fan-out ran on a stream of its own in the model only."""
-    by = _step("llama70b_tide", NEW, groups=2)
-    puts = sorted((s for n, s in by.items() if n.startswith("layers.0.fwd.ag.")
-                   and n.endswith(".Put")), key=lambda s: s.start_ms)  # fmt: skip
-    assert {s.op.stream for s in puts} == {"tide_one_sided"}
-    rail = [s for s in puts if s.op.link == "nic"]
-    fan = [s for s in puts if s.op.link == "nvlink"]
-    assert len(rail) == 3 and len(fan) == 7 * 4
-    assert rail[1].start_ms >= max(s.end_ms for s in fan if s.end_ms <= rail[1].start_ms + 1e-9)
-    assert not any(
-        max(s.start_ms, r.start_ms) < min(s.end_ms, r.end_ms) for s in fan for r in rail
-    )  # never beside
-    original = wr.ag_round_ops
+    """Each op runs on the stream the code issues it on (issue 45): the node-local fan-out
+    on ``tide_fan``, the cross-node puts on ``tide_one_sided``, so the fan-out of one wave
+    runs beside the next wave's cross-node put, on the placement path and in place; a
+    stream the plan adds is simulated as its own, with no edit of the simulator. Before
+    issue 45 the fan-out shared the put stream (and the model had it apart)."""
+    for in_place in (0, 4):
+        by = _step("llama70b_tide", NEW, groups=2, ag_in_place_groups=in_place)
+        ag = [s for n, s in by.items() if n.startswith("layers.0.fwd.ag.") and s.op.device == 0]
+        puts = [s for s in ag if s.op.name.endswith(".Put")]
+        rail = [s for s in puts if s.op.link == "nic"]
+        fan = [s for s in puts if s.op.link == "nvlink"]
+        assert {s.op.stream for s in rail} == {"tide_one_sided"}
+        assert {s.op.stream for s in fan} == {"tide_fan"}
+        assert len(rail) >= 3 and fan
+        assert any(_overlap(f, r) for f in fan for r in rail), in_place  # the fan-out beside
 
-    def fan_out_apart(*args, **kw):
-        """The same plan with every fan-out put after the first rail wait on stream "fan"."""
-        ops, out, waited = original(*args, **kw), [], False
-        for op in ops:
-            if isinstance(op, wr.Wait) and op.stream == wr.PUT:
-                waited = True
-                out += [op, wr.Fork(wr.PUT, "fan")]
-                continue
-            layout, rank = args[1].layout, args[1].rank
-            local = isinstance(op, wr.Put) and layout.node_of(op.peer) == layout.node_of(rank)
-            out.append(dataclasses.replace(op, stream="fan") if waited and local else op)
-        return out[:-2] + [wr.Fork("fan", wr.MAIN), *out[-2:]]
+    original = wr.ag_in_place_ops
 
-    monkeypatch.setattr(wr, "ag_round_ops", fan_out_apart)
+    def fan_apart(*args, **kw):
+        """The same plan with the fan-out on a stream named "fan2"."""
+        ops, seen = original(*args, **kw)
+        moved = [dataclasses.replace(op, stream="fan2") if getattr(op, "stream", None) == wr.FAN
+                 else wr.Fork(op.src, "fan2") if isinstance(op, wr.Fork) and op.dst == wr.FAN
+                 else wr.Fork("fan2", op.dst) if isinstance(op, wr.Fork) and op.src == wr.FAN
+                 else op for op in ops]  # fmt: skip
+        return moved, seen
+
+    monkeypatch.setattr(wr, "ag_in_place_ops", fan_apart)
     sim._TIMELINES.clear()
     apart = _step("llama70b_tide", NEW, groups=2)
     sim._TIMELINES.clear()
-    fans = [s for n, s in apart.items() if s.op.stream == "tide_fan"]
-    rails = sorted((s for s in apart.values() if s.op.link == "nic" and s.op.name.startswith(
-        "layers.0.fwd.ag.")), key=lambda s: s.start_ms)  # fmt: skip
-    assert fans and any(
-        max(f.start_ms, r.start_ms) < min(f.end_ms, r.end_ms) for f in fans for r in rails[1:]
-    )  # the fan-out beside the next put
+    assert [s for s in apart.values() if s.op.stream == "tide_fan2"]
+    assert not [s for n, s in apart.items() if ".ag." in n and s.op.stream == "tide_fan"]
+
+
+def test_the_nic_rule_is_a_dependency():
+    """TIDE-RS phase 2 puts a partial in pieces, each after ``Fork(PUT, RING)``: the ring
+    waits for every cross-node put TIDE-AG issued before it (the re-gather FSDP2 issued as
+    the group's backward started), so on a GPU's NIC the all-gather goes first."""
+    from torchtitan_tide.simulator.plans import ONE_SIDED, RS_CROSS
+
+    by = _step("llama70b_tide", NEW, groups=4)
+    ring = [s for n, s in by.items() if s.op.stream == RS_CROSS and n.endswith(".Put")]
+    ag_puts = {n: s for n, s in by.items() if s.op.stream == ONE_SIDED}
+    waited = [(s, ag_puts[d]) for s in ring for d in s.op.after if d in ag_puts]
+    assert waited and all(s.start_ms >= a.end_ms - 1e-9 for s, a in waited)
+    group = waited[0][0].op.group  # its partial waits for the next group's re-gather
+    assert any(a.op.name.startswith(f"{a.op.group}.bwd.ag.") and a.op.group != group
+               for _, a in waited)  # fmt: skip
 
 
 def test_f_compute_beside_two_engines_loses_both_shares():
@@ -201,45 +224,68 @@ def test_an_op_the_simulator_does_not_know_fails_loudly(monkeypatch):
         stream: str
         nbytes: int
 
-    original = wr.ag_round_ops
-    monkeypatch.setattr(wr, "ag_round_ops", lambda *a, **k: [*original(*a, **k),
-                                                             Multicast(wr.PUT, 1)])  # fmt: skip
+    original = wr.ag_in_place_ops
+
+    def with_multicast(*a, **k):
+        ops, seen = original(*a, **k)
+        return [*ops, Multicast(wr.PUT, 1)], seen
+
+    monkeypatch.setattr(wr, "ag_in_place_ops", with_multicast)
     sim._TIMELINES.clear()
     with pytest.raises(inputs.SimulateError, match="unknown op Multicast"):
         _step("llama70b_tide", NEW, groups=1)
     sim._TIMELINES.clear()
 
 
-def test_in_place_at_several_ranks_per_node_is_read_from_the_plan(monkeypatch):
-    """In place where the plan runs in place: at one rank per node (no Place op), not at
-    8 x 8 today (``ag_in_place_ops`` refuses it); when the plan accepts N x L the
-    simulation takes it with no edit."""
+def test_in_place_at_n_x_l_simulates_every_local_rank():
+    """In place where the plan runs in place (every N x L of more than one node, issue 45):
+    at 8 x 8 each of the 8 local ranks of a node runs its own plan on its own GPU (streams,
+    NIC, NVLink, HBM), moving the cross-node bytes ``cross_node_segments`` gives its local
+    index (different per index); the rank whose step ends last sets the step."""
+    from torchtitan_tide.comm.plans.memory_plan import padded_shard_numel
     from torchtitan_tide.comm.plans.plan import WorldLayout
     from torchtitan_tide.simulator import plans
 
-    assert plans.in_place_at(WorldLayout(8, 1)) and not plans.in_place_at(WorldLayout(64, 8))
-    one = _step("llama70b_tide", cluster.Cluster(gpus_per_node=1, nccl_version="2.31.2"),
-                groups=2, lay=sim.Layout(8, 1))  # fmt: skip
-    assert not [n for n in one if n.endswith(".Place")] and "layers.0.fwd.ag_cast" in one
-    original = wr.ag_in_place_ops
+    assert plans.in_place_at(WorldLayout(8, 1)) and plans.in_place_at(WorldLayout(64, 8))
+    assert not plans.in_place_at(WorldLayout(8, 8))  # one node: nothing crosses nodes
+    cm = _cm("llama70b_tide")
+    run = sim.tide_run(sim.tide_model_of(cm.tide), NEW, LAY, cm.dtypes)
+    timeline = plans.Timeline(WorldLayout(64, 8), run, cm.groups[:2])
+    assert timeline.in_place and timeline.classes == tuple(range(8))
+    group = cm.groups[1]
+    works, done = timeline.all_gather(group, "fwd", ("fwd0",))
+    assert len(done) == 8 and all(done)
+    nic = [sum(w.nbytes for w in works if w.device == d and w.link == plans.on_device("nic", d))
+           for d in range(8)]  # fmt: skip
+    shard = [padded_shard_numel(s, 64) * 2 for s in group.param_shapes]
+    segments = wr.cross_node_segments(tuple(shard), 8)
+    want = [7 * sum((b - a) * shard[i] for i, a, b in segments[d]) for d in range(8)]
+    assert nic == want and len(set(nic)) > 1  # recursive doubling: 7 node blocks sent
+    assert not [w for w in works if w.what in ("Place", "PackOwn")]
+    issue = [w for w in works if w.what == "Issue"]
+    assert [w.issued_with for w in issue] == [("fwd0",), *((f"fwd0@{d}",) for d in range(1, 8))]
+    fig, spans = sim.simulate_step(cm.groups[:3], _inputs("llama70b_tide"), "tide", LAY, NEW,
+                                   cm.dtypes, sim.tide_model_of(cm.tide))  # fmt: skip
+    ends = {d: max(s.end_ms for s in spans if s.op.stream == plans.on_device("compute", d))
+            for d in range(8)}  # fmt: skip
+    assert ends[fig["slowest_local_rank"]] == pytest.approx(max(ends.values()))
+    assert fig["step_ms"] == pytest.approx(max(ends.values()))
 
-    def any_layout(plan, *args):
-        layout = plan.layout
-        if layout.local_world_size == 1:
-            return original(plan, *args)
-        peers = [r for r in range(layout.world_size) if r != plan.rank]
-        ops = [wr.Fork(wr.MAIN, wr.PUT)]
-        ops += [wr.Put(wr.PUT, 0, 4096, p, 0, ()) for p in peers]
-        ops += [wr.Wait(wr.PUT, p, 1) for p in peers]
-        return ops + [wr.Fork(wr.PUT, wr.MAIN)], dict(args[4])
 
-    monkeypatch.setattr(wr, "ag_in_place_ops", any_layout)
-    sim._TIMELINES.clear()
-    assert plans.in_place_at(WorldLayout(64, 8))
-    by = _step("llama70b_tide", NEW, groups=2)
-    sim._TIMELINES.clear()
-    assert not [n for n in by if n.endswith(".Place")]
-    assert sum(1 for n in by if n.startswith("layers.0.fwd.ag.") and n.endswith(".Put")) == 63
+def test_the_simulators_streams_are_the_transports():
+    """The CUDA stream the simulator puts each op stream of a plan on is the one the
+    transports run it on (the names live in torch modules, so ``plans`` names them too)."""
+    pytest.importorskip("torch")
+    from torchtitan_tide.comm.fsdp import reduce_scatter
+    from torchtitan_tide.comm.transports.windows import ring as one_sided
+    from torchtitan_tide.comm.transports.windows import transport as windows
+    from torchtitan_tide.simulator import plans
+
+    assert {k: plans.AG_STREAMS[k] for k in windows._STREAMS} == windows._STREAMS
+    assert plans.AG_STREAMS[wr.PUT] == one_sided.AG_PUT_STREAM == plans.ONE_SIDED
+    assert set(plans.AG_STREAMS) == {wr.MAIN, wr.PUT, wr.FAN, wr.PLACE}
+    source = Path(reduce_scatter.__file__).read_text()
+    assert f'streams.stream("{plans.RS_CROSS}"' in source  # TIDE-RS phase 2's stream
 
 
 def test_auto_takes_what_the_codes_topology_takes():
@@ -267,32 +313,72 @@ def test_auto_takes_what_the_codes_topology_takes():
         sim.tide_run(sim.TideModel(cross_node_transport="nccl_one_sided"), OLD, LAY, dtypes)
 
 
-def test_waits_take_the_slowest_ranks_view():
-    """A wait of rank 0 ends when every rank's matching signal would have arrived: at 1 x 8
-    (windows: ranks sharing GPUs are not modeled; forced here) the placement of a local
-    peer's forward waits for the fan-out of every rank, i.e. for rank 0's whole fan-out,
-    not only for the first put each peer sends rank 0."""
-    by = _step("llama70b_tide", NEW, groups=1, lay=sim.Layout(8, 8), ag_transport="nccl_windows")
-    name = "tok_embeddings.fwd.ag."
-    fan = [s for n, s in by.items() if n.startswith(name) and n.endswith(".Put")]
-    places = sorted((s for n, s in by.items() if n.startswith(name) and n.endswith(".Place")),
-                    key=lambda s: s.start_ms)  # fmt: skip
-    assert len(fan) == 7 and len(places) == 8  # the own entry, then one per local peer
-    assert all(p.start_ms >= max(s.end_ms for s in fan) - 1e-9 for p in places[1:])
+def test_waits_take_the_slowest_ranks_view(monkeypatch):
+    """A wait ends when every rank of its local index would have its matching signal: at
+    1 x 8 (placement path: the ranks alike, local rank 0 stands for all) the placement of a
+    local peer's forward waits for rank 0's whole fan-out (its last put), not only for the
+    first put each peer sends rank 0. At 2 x 2 in place, local rank 0's waits for what its
+    peer forwards name local rank 1's own puts, even at a position past rank 0's last."""
+    from torchtitan_tide.comm.plans.plan import WorldLayout
+    from torchtitan_tide.simulator import plans
+
+    cm = _cm("llama70b_tide")
+    model = sim.TideModel(ag_transport="nccl_windows")
+    one = plans.Timeline(WorldLayout(8, 8), sim.tide_run(model, NEW, sim.Layout(8, 8),
+                                                         cm.dtypes), cm.groups[:1])  # fmt: skip
+    works, _ = one.all_gather(cm.groups[0], "fwd", ())
+    fan = [w for w in works if w.what == "Put" and w.stream == plans.FAN]
+    places = [w for w in works if w.what == "Place"]
+    assert one.classes == (0,) and len(fan) == 1 and fan[0].count == 7  # 7 puts, waited as one
+    assert len(places) == 8 and all(fan[0].name in p.after for p in places[1:])
+    two = plans.Timeline(WorldLayout(4, 2), sim.tide_run(sim.TideModel(), NEW, sim.Layout(4, 2),
+                                                         cm.dtypes), cm.groups[:2])  # fmt: skip
+    original = wr.ag_in_place_ops
+
+    def padded(plan, *args):  # local index 1's plan 40 ops longer: its forwards come later
+        ops, seen = original(plan, *args)
+        pad = [wr.Fork(wr.MAIN, wr.MAIN)] * 40 if plan.layout.local_of(plan.rank) == 1 else []
+        return pad + ops, seen
+
+    monkeypatch.setattr(wr, "ag_in_place_ops", padded)
+    works, done = two.all_gather(cm.groups[1], "fwd", ())
+    assert two.classes == (0, 1) and len(done) == 2
+    peer_fan = {w.name for w in works if w.device == 1 and w.stream == "tide_fan@1"}
+    waited = {d for w in works if w.device == 0 for d in w.after} | set(done[0])
+    assert peer_fan and waited & peer_fan  # rank 0 waits for rank 1's own forwards
+    mine = len(original(two._plan(cm.groups[1], 0), *_in_place_args(two, cm.groups[1]))[0])
+    assert max(int(n.split(".")[-2]) for n in waited & peer_fan) > mine  # past rank 0's list
+
+
+def _in_place_args(timeline, group) -> tuple:
+    """``ag_in_place_ops``'s arguments after the plan, as ``Timeline`` passes them."""
+    from torchtitan_tide.comm.plans.memory_plan import padded_shard_numel
+    from torchtitan_tide.comm.plans.window_arena import aligned
+
+    world = timeline.world
+    shard = tuple(padded_shard_numel(s, world) * 2 for s in group.param_shapes)
+    offsets = tuple(sum(aligned(n * world) for n in shard[:i]) for i in range(len(shard)))
+    return offsets, shard, 0, 0, {}, 0
 
 
 def test_what_ifs_are_named_and_apart_from_the_headline():
     """The report's what-ifs change one input each of the NCCL 2.31 row and say so; the
-    row 'as run' is the headline's, and removing the local copies can only help."""
+    row 'as run' is the headline's (in place: the earlier "no local copies" what-if is what
+    runs, not counted twice), removing TIDE-RS's packs, the local copies left, can only
+    help, and the reference row with in place off is slower."""
     rows = report.what_if_rows(inputs.RESULTS, cluster.Cluster(), gpus=16)
     base = {(r["model"], r["variant"]): r for r in _baseline()}
     for model in ("llama70b", "qwen3_30b_a3b", "wan22_a14b"):
         got = {r["what_if"]: r for r in rows if r["model"] == model}
-        assert got["as run"]["sim_step_ms"] == pytest.approx(
+        assert list(got) == list(report.WHAT_IFS)
+        assert got[report.AS_RUN]["sim_step_ms"] == pytest.approx(
             base[(model, report.AUTO_NEW)]["sim_step_ms"]
         )
-        free = got["no local copies (upper bound of in place at N x L)"]
-        assert free["sim_step_ms"] <= got["as run"]["sim_step_ms"] + 1e-6
+        assert base[(model, report.AUTO_NEW)]["in_place"]
+        free = got[report.NO_PACK]
+        assert free["sim_step_ms"] <= got[report.AS_RUN]["sim_step_ms"] + 1e-6
+        # in place is what runs: the placement path is slower, and not a what-if
+        assert got[report.IN_PLACE_OFF]["sim_step_ms"] > got[report.AS_RUN]["sim_step_ms"]
 
 
 def test_every_table_with_a_speed_up_has_its_ceiling():

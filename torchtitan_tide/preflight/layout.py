@@ -4,7 +4,7 @@ how TIDE splits each FSDP group into nodes.
 :func:`job_layout` builds TorchTitan's own meshes (``ParallelDims`` of the job's
 ``[parallelism]``, as the trainer does) and takes the data-parallel mesh its
 ``parallelize`` functions give ``fully_shard`` (``["dp_replicate", "fsdp"]`` under HSDP,
-else ``"fsdp"``). Every rank's :class:`~torchtitan_tide.comm.topology.RankInfo` is gathered
+else ``"fsdp"``). Every rank's :class:`~torchtitan_tide.comm.plans.topology.RankInfo` is gathered
 once; TIDE's nodes of this rank's FSDP group are resolved with the very functions install
 uses (``topology.node_keys``, ``topology.resolve_local_world_size``) and the run's
 ``[tide]`` options, so the tiers here are the ones TIDE will run:

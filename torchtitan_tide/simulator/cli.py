@@ -91,7 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r in rows:
         runs = "-" if r["tide_transport"] == "-" else (
             f"{r['tide_transport']}, phase 2 {r['rs_phase2']}"
-            + (", in place" if r["in_place"] else ""))  # fmt: skip
+            + (f", in place (every local rank simulated; local rank "
+               f"{r['sim_slowest_local_rank']} sets the step)" if r["in_place"] else ""))  # fmt: skip
         cells = [r["mode"], runs, f"{r['sim_step_ms']:.1f}",
                  f"{r.get('sim_speedup_vs_fsdp2', float('nan')):.3f}",
                  *(f"{r[f'sim_bd_{k}_ms']:.1f}" for k in ("compute", "sm_taken", "layout")),

@@ -19,6 +19,11 @@ Rates, both directions of interference, and shared links:
   progresses FIFO (its earliest-started op only), the flows of the highest ``priority``
   split the link equally, lower ones wait (and, waiting, slow nothing beside them).
   ``duration_ms`` is the op alone on its link.
+- ``device`` (the GPU an op runs on, a local rank): every rate above is per device, a
+  GPU's ops slow and are slowed by that GPU's ops only, and a link belongs to one device
+  (``nic@3``: local rank 3's NIC; :func:`on_device` names rank ``d``'s streams, ops and
+  links). A step of several ranks of a node has one compute stream per rank; the figures
+  of :func:`summarize` are one rank's (:func:`device_spans`, :func:`slowest_device`).
 - ``sm_share`` (ops of kind ``sm``: kernels of the comm library on their own stream, e.g.
   TIDE-RS's accumulate): while one runs, every op on the compute stream progresses at
   ``1 - share`` of its rate (share 1: compute pauses). The kernel itself runs at its
@@ -31,8 +36,9 @@ event to event (an op starts or ends) and returns each op's start and end.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 COMPUTE = "compute"  # the compute stream's name
 # op kinds off the compute stream (exposure): the generic ones, and the engines of
@@ -41,11 +47,28 @@ COMM_KINDS = ("ag", "rs", "net", "net0", "sm", "nccl", "nccl_symk", "ce", "ce_lo
               "sm_ag", "sm_rs")  # fmt: skip
 SM = "sm"  # kind of an SM-holding kernel off the compute stream (a share of the SMs)
 SM_KERNEL_KINDS = ("sm", "sm_ag", "sm_rs")  # comm-library kernels on SMs
+DEVICE_SEP = "@"  # a stream, op or link of local rank d > 0: ``name@d`` (:func:`on_device`)
 _EPS = 1e-9
 
 
 class SimulationError(ValueError):
     """The ops cannot run: unknown dependency, a cycle, or a negative duration."""
+
+
+def on_device(name: str, device: int) -> str:
+    """The name of a stream, op or link of local rank ``device`` (``name`` itself on rank
+    0: a step of one rank keeps its names)."""
+    return name if device == 0 else f"{name}{DEVICE_SEP}{device}"
+
+
+def base_name(name: str) -> str:
+    """``name`` without its rank suffix (:func:`on_device`)."""
+    return name.split(DEVICE_SEP, 1)[0]
+
+
+def is_compute(stream: str) -> bool:
+    """Whether ``stream`` is a rank's compute stream (:data:`COMPUTE` on any rank)."""
+    return base_name(stream) == COMPUTE
 
 
 @dataclass(frozen=True)
@@ -56,7 +79,8 @@ class Op:
     stream) or a kind of :data:`COMM_KINDS`; ``slowdown``: the fraction it slows by
     beside a running op of each kind; ``sm_share`` (kind ``sm`` only): the share of the
     SMs it holds while it runs (0..1); ``link`` / ``flow`` / ``priority``: the shared link
-    it moves its bytes over (module docstring)."""
+    it moves its bytes over (module docstring); ``device``: the GPU (local rank) it runs
+    on: it slows and is slowed by that GPU's ops only, and its link is that GPU's."""
 
     name: str
     stream: str
@@ -70,6 +94,7 @@ class Op:
     link: str = ""
     flow: str = ""
     priority: int = 0
+    device: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,11 +110,12 @@ class Span:
         return max(0.0, self.end_ms - self.start_ms - self.op.duration_ms)
 
 
-def simulate(ops: Sequence[Op]) -> list[Span]:
-    """Run ``ops`` (see the module docstring); spans in the order of ``ops``."""
-    by_name = {}
-    for op in ops:
-        if op.name in by_name:
+def _check(ops: Sequence[Op]) -> dict[str, int]:
+    """Index of every op by name, after the checks of :func:`simulate`."""
+    index: dict[str, int] = {}
+    link_device: dict[str, int] = {}
+    for i, op in enumerate(ops):
+        if op.name in index:
             raise SimulationError(f"two ops named {op.name!r}")
         if op.duration_ms < 0:
             raise SimulationError(f"op {op.name!r} has a negative duration {op.duration_ms}")
@@ -97,83 +123,278 @@ def simulate(ops: Sequence[Op]) -> list[Span]:
             raise SimulationError(
                 f"op {op.name!r}: sm_share {op.sm_share} must be in [0, 1], on kind {SM!r} only"
             )
-        if op.kind == SM and op.stream == COMPUTE:
+        if op.kind == SM and is_compute(op.stream):
             raise SimulationError(f"op {op.name!r}: kind {SM!r} runs beside compute, not on it")
-        by_name[op.name] = op
+        if op.link and link_device.setdefault(op.link, op.device) != op.device:
+            raise SimulationError(f"op {op.name!r}: link {op.link!r} belongs to device "
+                                  f"{link_device[op.link]}, not {op.device}")  # fmt: skip
+        index[op.name] = i
     for op in ops:
         for dep in (*op.after, *op.issued_with):
-            if dep not in by_name:
+            if dep not in index:
                 raise SimulationError(f"op {op.name!r} depends on unknown op {dep!r}")
-    queues: dict[str, list[Op]] = {}
+    return index
+
+
+def _runs(ops: Sequence[Op], index: dict[str, int]) -> tuple[list[Op], list[list[int]]]:
+    """``ops`` as units: runs of consecutive ops of one stream that progress alike (same
+    kind, link, flow, priority, device, slowdown, SM share), wait for nothing but the run's
+    first op's dependencies, and that no other op waits for but the last (nor waits to
+    start but the first), merged into one op of their summed duration. A run ends and
+    starts as its ops would, op after op at the same rates; :func:`simulate` gives each op
+    its own span back. Returns the units and each unit's ops."""
+    refs = [0] * len(ops)  # how many ops wait for an op to end or start
+    started_by = [False] * len(ops)
     for op in ops:
-        queues.setdefault(op.stream, []).append(op)
-    heads = dict.fromkeys(queues, 0)
-    started: dict[str, float] = {}
-    ended: dict[str, float] = {}
-    remaining: dict[str, float] = {}  # running op -> work left (ms at rate 1)
-    now = 0.0
-    while len(ended) < len(ops):
-        progressed = True
-        while progressed:  # start every stream head that may start now
-            progressed = False
-            for stream, queue in queues.items():
-                i = heads[stream]
-                if i >= len(queue) or queue[i].name in remaining:
-                    continue
-                op = queue[i]
-                if all(d in ended for d in op.after) and all(d in started for d in op.issued_with):
-                    started[op.name] = now
-                    progressed = True
-                    if op.duration_ms <= _EPS:  # an event: it ends as it starts
-                        ended[op.name] = now
-                        heads[stream] += 1
-                    else:
-                        remaining[op.name] = op.duration_ms
-        if not remaining:
-            if len(ended) == len(ops):
+        for d in set(op.after):
+            refs[index[d]] += 1
+        for d in set(op.issued_with):
+            refs[index[d]] += 1
+            started_by[index[d]] = True
+    last_of: dict[str, int] = {}  # stream -> its last unit
+    units: list[Op] = []
+    parts: list[list[int]] = []
+    for i, op in enumerate(ops):
+        u = last_of.get(op.stream)
+        if u is not None and _extends(ops, parts[u], i, refs, started_by):
+            parts[u].append(i)
+            continue
+        last_of[op.stream] = len(units)
+        units.append(op)
+        parts.append([i])
+    for u, members in enumerate(parts):
+        if len(members) > 1:
+            first, last = ops[members[0]], ops[members[-1]]
+            total = sum(ops[i].duration_ms for i in members)
+            units[u] = replace(first, name=last.name, duration_ms=total)
+    return units, parts
+
+
+def _extends(ops: Sequence[Op], members: list[int], i: int, refs: list[int],
+             started_by: list[bool]) -> bool:  # fmt: skip
+    """Whether op ``i`` extends the run ``members`` of its stream (:func:`_runs`)."""
+    prev, first, op = ops[members[-1]], ops[members[0]], ops[i]
+    if op.duration_ms <= _EPS or prev.duration_ms <= _EPS or op.issued_with or started_by[i]:
+        return False
+    if (op.kind, op.link, op.flow, op.priority, op.device, op.sm_share) != (
+        first.kind, first.link, first.flow, first.priority, first.device, first.sm_share
+    ) or op.slowdown != first.slowdown:  # fmt: skip
+        return False
+    waits_prev = prev.name in op.after
+    if refs[members[-1]] != int(waits_prev):  # another op waits for the run's middle
+        return False
+    return all(d == prev.name or d in first.after for d in op.after)
+
+
+def simulate(ops: Sequence[Op]) -> list[Span]:
+    """Run ``ops`` (see the module docstring); spans in the order of ``ops``.
+
+    Event driven: an op becomes ready when it heads its stream and its dependencies are
+    met (counted, each once); the rates of a device's running ops are recomputed when an
+    op of that device starts or ends, and each running op's projected end sits in a heap.
+    Consecutive ops of a stream that progress alike run as one unit (:func:`_runs`)."""
+    index = _check(ops)
+    units, parts = _runs(ops, index)
+    unit_of = [0] * len(ops)
+    for u, members in enumerate(parts):
+        for i in members:
+            unit_of[i] = u
+    n = len(units)
+    streams: dict[str, list[int]] = {}
+    for u, op in enumerate(units):
+        streams.setdefault(op.stream, []).append(u)
+    stream_id = {name: k for k, name in enumerate(streams)}
+    queues = list(streams.values())
+    sid = [stream_id[op.stream] for op in units]
+    pos = [0] * n
+    for queue in queues:
+        for p, u in enumerate(queue):
+            pos[u] = p
+    heads = [0] * len(queues)
+    deps = [0] * n
+    on_start: list[list[int]] = [[] for _ in range(n)]
+    on_end: list[list[int]] = [[] for _ in range(n)]
+    for u, op in enumerate(units):
+        after = {unit_of[index[d]] for d in op.after}
+        issued = {unit_of[index[d]] for d in op.issued_with}
+        deps[u] = len(after) + len(issued)
+        for d in after:
+            on_end[d].append(u)
+        for d in issued:
+            on_start[d].append(u)
+    started: list[float | None] = [None] * n
+    ended: list[float | None] = [None] * n
+    # ends of a unit's ops but its last, as work done (ms at rate 1) and as time
+    bounds = [_bounds(ops, members) if len(members) > 1 else [] for members in parts]
+    info = [_Rates.of(op) for op in units]
+    part_ends: list[list[float]] = [[] for _ in range(n)]
+    ready: list[tuple[int, int]] = []  # (stream id, unit): started in stream order
+    running: dict[int, dict[int, None]] = {}  # device -> running units in start order
+    state = _State(n)
+    dirty: set[int] = set()
+    now, done = 0.0, 0
+
+    def push_if_ready(u: int) -> None:
+        if deps[u] == 0 and pos[u] == heads[sid[u]] and started[u] is None:
+            heapq.heappush(ready, (sid[u], u))
+
+    def finish(u: int) -> None:
+        nonlocal done
+        ended[u] = now
+        done += 1
+        s = sid[u]
+        heads[s] += 1
+        if heads[s] < len(queues[s]):
+            push_if_ready(queues[s][heads[s]])
+        for j in on_end[u]:
+            deps[j] -= 1
+            push_if_ready(j)
+
+    for queue in queues:
+        push_if_ready(queue[0])
+    while done < n:
+        while ready:  # start every stream head that may start now
+            _, u = heapq.heappop(ready)
+            if started[u] is not None:
+                continue
+            started[u] = now
+            for j in on_start[u]:
+                deps[j] -= 1
+                push_if_ready(j)
+            op = units[u]
+            if op.duration_ms <= _EPS:  # an event: it ends as it starts
+                finish(u)
+            else:
+                running.setdefault(op.device, {})[u] = None
+                state.begin(u, op.duration_ms, now)
+                dirty.add(op.device)
+        for device in dirty:
+            _rerate(info, list(running.get(device, ())), now, state, bounds, part_ends)
+        dirty.clear()
+        ends = state.ends
+        while ends and (state.version[ends[0][2]] != ends[0][1] or ended[ends[0][2]] is not None):
+            heapq.heappop(ends)
+        if not ends:
+            if done == n:
                 break
-            blocked = [queues[s][heads[s]].name for s in queues if heads[s] < len(queues[s])]
+            blocked = [units[q[heads[k]]].name for k, q in enumerate(queues) if heads[k] < len(q)]
             raise SimulationError(f"ops wait on each other (a cycle or bad order): {blocked}")
-        running = [by_name[n] for n in remaining]  # in start order
-        shares = _link_shares(running)
-        kinds = {op.kind for op, share in zip(running, shares) if share > 0}  # waiting: idle
-        held = max((op.sm_share for op in running), default=0.0)
-        rates = {op.name: _rate(op, kinds, held) * share for op, share in zip(running, shares)}
-        step = min(remaining[n] / rates[n] for n in remaining if rates[n] > 0)
-        now += step
-        for name in list(remaining):
-            remaining[name] -= step * rates[name]
-            if remaining[name] <= _EPS:
-                del remaining[name]
-                ended[name] = now
-                heads[by_name[name].stream] += 1
-    return [Span(op, started[op.name], ended[op.name]) for op in ops]
+        now = max(now, ends[0][0])
+        while ends and ends[0][0] <= now + _EPS:
+            _, ver, u = heapq.heappop(ends)
+            if ver != state.version[u] or ended[u] is not None:
+                continue
+            device = units[u].device
+            del running[device][u]
+            dirty.add(device)
+            state.settle(u, now, bounds[u], part_ends[u])
+            finish(u)
+    spans: list[Span | None] = [None] * len(ops)
+    for u, members in enumerate(parts):
+        at = started[u]
+        ends_u = [*part_ends[u], ended[u]]
+        for i, end_ms in zip(members, ends_u):
+            spans[i] = Span(ops[i], at, max(at, end_ms))
+            at = spans[i].end_ms
+    return spans
 
 
-def _rate(op: Op, running_kinds: set[str], sm_held: float) -> float:
-    """Progress per ms of ``op`` beside ``running_kinds`` (the engines' fractions add up);
-    ``sm_held``: the largest SM share of a running ``sm`` op (it pauses the compute
-    stream's share). An ``sm`` op always progresses, so some op does."""
-    slow = sum(max(0.0, op.slowdown.get(k, 0.0)) for k in running_kinds if k != op.kind)
-    rate = 1.0 / (1.0 + slow)
-    return rate * (1.0 - sm_held) if op.stream == COMPUTE else rate
+def _bounds(ops: Sequence[Op], members: list[int]) -> list[float]:
+    """Work done (ms at rate 1) at the end of each op of a unit but its last."""
+    out, total = [], 0.0
+    for i in members[:-1]:
+        total += ops[i].duration_ms
+        out.append(total)
+    return out
 
 
-def _link_shares(running: Sequence[Op]) -> list[float]:
-    """Per running op (in start order), its share of its link: per link, the first op of
-    each flow (FIFO per flow) among the flows of the highest priority splits it equally;
-    the others wait (0). Ops on no link: 1."""
-    heads: dict[str, dict[str, Op]] = {}
-    for op in running:
-        if op.link:
-            heads.setdefault(op.link, {}).setdefault(op.flow or op.stream, op)
+class _State:
+    """Progress of the running units: work left at the last rate change, its time, the
+    rate, a version per rate change, and the heap of projected ends."""
+
+    def __init__(self, n: int) -> None:
+        self.rem, self.t_upd = [0.0] * n, [0.0] * n
+        self.rate, self.version = [-1.0] * n, [0] * n
+        self.total = [0.0] * n
+        self.ends: list[tuple[float, int, int]] = []  # (projected end, version, unit)
+
+    def begin(self, u: int, duration: float, now: float) -> None:
+        self.rem[u], self.total[u], self.t_upd[u], self.rate[u] = duration, duration, now, -1.0
+
+    def settle(self, u: int, now: float, bounds: list[float], part_ends: list[float]) -> None:
+        """Work left at ``now`` at the current rate; the ends of the unit's ops crossed."""
+        rate = self.rate[u]
+        if rate <= 0:
+            self.t_upd[u] = now
+            return
+        done0 = self.total[u] - self.rem[u]
+        self.rem[u] -= (now - self.t_upd[u]) * rate
+        done1 = self.total[u] - self.rem[u]
+        while len(part_ends) < len(bounds) and bounds[len(part_ends)] <= done1 + _EPS:
+            part_ends.append(self.t_upd[u] + max(0.0, bounds[len(part_ends)] - done0) / rate)
+        self.t_upd[u] = now
+
+    def set_rate(self, u: int, rate: float, now: float) -> None:
+        self.rate[u] = rate
+        self.version[u] += 1
+        if rate > 0:
+            heapq.heappush(self.ends, (now + max(self.rem[u], 0.0) / rate, self.version[u], u))
+
+
+@dataclass(frozen=True)
+class _Rates:
+    """What an op's rate depends on (:func:`_rerate`): its link and flow on it, priority,
+    kind, the positive fractions it slows by, whether it is on a compute stream, its SM
+    share."""
+
+    link: str
+    flow: str
+    priority: int
+    kind: str
+    slow: tuple[tuple[str, float], ...]
+    compute: bool
+    sm_share: float
+
+    @classmethod
+    def of(cls, op: Op) -> _Rates:
+        slow = tuple((k, f) for k, f in op.slowdown.items() if f > 0 and k != op.kind)
+        return cls(op.link, op.flow or op.stream, op.priority, op.kind, slow,
+                   is_compute(op.stream), op.sm_share)  # fmt: skip
+
+
+def _rerate(info: Sequence[_Rates], running: list[int], now: float, state: _State,
+            bounds: list[list[float]], part_ends: list[list[float]]) -> None:  # fmt: skip
+    """New rates of one device's running units (in start order): per link, the first unit
+    of each flow among the flows of the highest priority splits it equally, the others wait
+    (0) and slow nothing; each unit progresses at ``share / (1 + the fractions of the kinds
+    beside it)``, on a compute stream times ``1 -`` the largest SM share held (the engines'
+    fractions add up; an ``sm`` unit always progresses). A unit whose rate changed has its
+    work left settled at ``now`` and its projected end pushed."""
+    heads: dict[str, dict[str, int]] = {}
+    held = 0.0
+    for u in running:
+        r = info[u]
+        held = max(held, r.sm_share)
+        if r.link:
+            heads.setdefault(r.link, {}).setdefault(r.flow, u)
     share: dict[int, float] = {}
     for flows in heads.values():
-        top = max(op.priority for op in flows.values())
-        first = [op for op in flows.values() if op.priority == top]
-        for op in first:
-            share[id(op)] = 1.0 / len(first)
-    return [share.get(id(op), 0.0) if op.link else 1.0 for op in running]
+        top = max(info[u].priority for u in flows.values())
+        first = [u for u in flows.values() if info[u].priority == top]
+        for u in first:
+            share[u] = 1.0 / len(first)
+    kinds = {info[u].kind for u in running if not info[u].link or u in share}
+    for u in running:
+        r = info[u]
+        new = share.get(u, 0.0) if r.link else 1.0
+        if new > 0:
+            new /= 1.0 + sum(f for k, f in r.slow if k in kinds)
+            if r.compute:
+                new *= 1.0 - held
+        if new == state.rate[u]:
+            continue
+        state.settle(u, now, bounds[u], part_ends[u])
+        state.set_rate(u, new, now)
 
 
 def merge(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -201,21 +422,45 @@ def intersect_length(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, 
     return total
 
 
-def idle_and_comm(spans: Sequence[Span]) -> tuple[list, list]:
+def idle_and_comm(spans: Sequence[Span], beside: Sequence[Span] = ()) -> tuple[list, list]:
     """(compute-stream idle intervals up to the step's end, merged communication
-    intervals): where they meet, communication is exposed."""
+    intervals): where they meet, communication is exposed. ``beside``: the spans of the
+    other ranks simulated, whose communication a rank may wait for (a peer's forwards)."""
     step = max((s.end_ms for s in spans), default=0.0)
-    busy = merge((s.start_ms, s.end_ms) for s in spans if s.op.stream == COMPUTE)
+    busy = merge((s.start_ms, s.end_ms) for s in spans if is_compute(s.op.stream))
     idle, cursor = [], 0.0
     for a, b in [*busy, (step, step)]:
         if a > cursor:
             idle.append((cursor, a))
         cursor = max(cursor, b)
-    comm = merge((s.start_ms, s.end_ms) for s in spans if s.op.kind in COMM_KINDS)
+    comm = merge((s.start_ms, s.end_ms) for s in (*spans, *beside) if s.op.kind in COMM_KINDS)
     return idle, comm
 
 
-def summarize(spans: Sequence[Span]) -> dict[str, float]:
+def device_spans(spans: Sequence[Span], device: int) -> list[Span]:
+    """The spans of local rank ``device``: its compute stream and its communication."""
+    return [s for s in spans if s.op.device == device]
+
+
+def other_spans(spans: Sequence[Span], device: int) -> list[Span]:
+    """The spans of every simulated local rank but ``device``."""
+    return [s for s in spans if s.op.device != device]
+
+
+def slowest_device(spans: Sequence[Span]) -> int:
+    """The local rank whose compute stream ends last (the one that sets the step); of
+    those that end together (they wait for each other's signals), the one whose compute
+    lost the most time beside communication; then the lowest."""
+    last: dict[int, float] = {}
+    lost: dict[int, float] = {}
+    for s in spans:
+        if is_compute(s.op.stream):
+            last[s.op.device] = max(last.get(s.op.device, 0.0), s.end_ms)
+            lost[s.op.device] = lost.get(s.op.device, 0.0) + s.lost_ms
+    return min(last, key=lambda d: (-round(last[d], 6), -lost[d], d)) if last else 0
+
+
+def summarize(spans: Sequence[Span], beside: Sequence[Span] = ()) -> dict[str, float]:
     """Step figures of a simulated step: ``step_ms``; ``exposed_ms`` (the compute stream
     idle while communication or a comm kernel runs), split into ``exposed_first_ms``
     (before the first compute op), ``exposed_last_ms`` (after the last compute op before
@@ -224,10 +469,11 @@ def summarize(spans: Sequence[Span]) -> dict[str, float]:
     ``sm_kernel_ms`` (busy ms of the comm library's SM kernels, :data:`SM_KERNEL_KINDS`;
     ``accumulate_ms``: of kind ``sm_rs``, TIDE-RS's); ``comm_slowed_ms`` (time added to
     communication ops by what ran beside them); and busy ms per compute-stream kind
-    (``compute_ms``, ``layout_ms``, ``optimizer_ms``, ``host_ms``)."""
+    (``compute_ms``, ``layout_ms``, ``optimizer_ms``, ``host_ms``). ``spans``: one rank's
+    (:func:`device_spans`); ``beside``: the other ranks' (exposure only)."""
     step = max((s.end_ms for s in spans), default=0.0)
-    on_compute = [s for s in spans if s.op.stream == COMPUTE]
-    idle, comm = idle_and_comm(spans)
+    on_compute = [s for s in spans if is_compute(s.op.stream)]
+    idle, comm = idle_and_comm(spans, beside)
     work = [s for s in on_compute if s.op.kind == "compute"]
     first = min((s.start_ms for s in work), default=step)
     last = max((s.end_ms for s in work), default=0.0)
@@ -242,7 +488,7 @@ def summarize(spans: Sequence[Span]) -> dict[str, float]:
         "sm_ms_taken": sum(s.lost_ms for s in on_compute),
         "sm_kernel_ms": sum(s.op.duration_ms for s in spans if s.op.kind in SM_KERNEL_KINDS),
         "accumulate_ms": sum(s.op.duration_ms for s in spans if s.op.kind == "sm_rs"),
-        "comm_slowed_ms": sum(s.lost_ms for s in spans if s.op.stream != COMPUTE),
+        "comm_slowed_ms": sum(s.lost_ms for s in spans if not is_compute(s.op.stream)),
     }
     out["exposed_between_ms"] = out["exposed_ms"] - out["exposed_first_ms"] - out["exposed_last_ms"]
     for kind in ("compute", "layout", "optimizer", "host"):

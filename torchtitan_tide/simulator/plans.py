@@ -1,6 +1,7 @@
 """TIDE's collectives as the code runs them, for the step simulator: the op plans of
 ``comm/window_rounds.py`` and the plans of ``comm/plan.py``, turned into work on streams
-and links for rank 0 of a layout ``N nodes x L`` (docs/design/2026-12-07-simulator.md).
+and links for the local ranks of node 0 of a layout ``N nodes x L``
+(docs/design/2026-12-07-simulator.md).
 
 Pure Python (no torch). Nothing here models TIDE's schedule by hand where the code has an
 op plan: the NCCL-windows path calls the same pure functions the window transport runs
@@ -16,35 +17,40 @@ op               charged as
                  communicator); to a rank of this node: NVLink (``ce``, link ``nvlink``)
 ``Place``        a local HBM-to-HBM copy (``ce_local``, link ``hbm``)
 ``Accumulate``   TIDE-RS's accumulate kernel (``sm_rs``): rows read, fp32 target
-``Signal``       nothing (its position in its stream is what a peer waits for)
-``Wait``         the stream waits for the matching signal (below)
+``Signal``       an event on its stream (what a peer's wait waits for); no time
+``Wait``         the stream waits for the matching signals (below)
 ``Fork``         the destination stream waits for everything issued on the source
 any other type   a :class:`~torchtitan_tide.simulator.results.SimulateError`
 ===============  ========================================================================
 
-Streams: an op's stream (``main``, ``put``, ``place`` or any new name) maps to the CUDA
-stream the transport runs it on (``comm/streams.py``: ``main`` is TIDE's stream or the
-caller's, ``put`` ``tide_one_sided``, ``place`` ``tide_place``, TIDE-RS phase 2's ring on
-``tide_rs_cross``, which ``run_beside`` keeps in order with its side stream); a stream the
-plan adds later gets a stream of its own (``tide_<name>``), so a plan that moves the
-fan-out to its own stream is simulated so without an edit here.
+Streams: an op's stream (``window_rounds.MAIN``, ``PUT``, ``FAN``, ``PLACE``, ``RING``)
+maps to the CUDA stream the transport runs it on (:data:`AG_STREAMS`; ``comm/streams.py``:
+``main`` is TIDE's stream or the caller's, TIDE-RS phase 2's ring runs on
+``tide_rs_cross``, with which ``run_beside`` keeps its side stream in order); a stream the
+plan adds later gets a stream of its own (``tide_<name>``), so a plan that moves work to a
+new stream is simulated so without an edit here.
 
-Waits: every rank runs the same plan, so each rank's ops of a round are its own call of
-the same function (checked: same op types on the same streams at every position). A wait
-of rank 0 completes when the matching signal of EVERY rank's corresponding wait has
-arrived (signals counted per sender, receiver and communicator in issue order, as NCCL
-counts them): the slowest rank's view, since a collective ends at its slowest rank. The
-time of a signal a peer issues at position ``i`` of a round is that of rank 0's own op at
-position ``i`` (the ranks' timelines are the same up to relabeling). A call's wait table
-is computed once per distinct rank-0 op list (types, streams, peers, offsets, counts) and
-set of signals still pending, and reused for every later call alike.
+Ranks: the ranks of one local index on every node run the same plan up to relabeling
+(checked: same op types on the same streams at every position); the local indices of a
+node may not (in place at ``L > 1`` each moves other parameters across nodes). So
+:class:`Timeline` simulates every local rank ``l`` of node 0 whose plan can differ (all
+``L`` where the all-gather goes in place, else rank 0 for all), each on its own streams
+and links (``engine.on_device``: ``tide_fan@3``, ``nic@3``). A wait of local rank ``l``
+completes when the matching signal of EVERY rank of local index ``l``'s corresponding
+wait has arrived (signals counted per sender, receiver and communicator in issue order,
+as NCCL counts them): the slowest node's view. A signal a rank ``(m, l')`` issues at
+position ``i`` of a call is timed by local rank ``l'``'s own op at position ``i``. A
+call's wait table is computed once per distinct set of op lists (types, streams, peers,
+offsets, counts) and signals still pending, and reused for every later call alike. The
+in-place all-gather's credits (``ag_credit`` waits before reusing an arena range) are not
+modeled: every all-gather finds its range free.
 
 Where NCCL windows do not run (NCCL < 2.29, or ``cross_node_transport = "p2p"``), the code
 runs ``transport/copy_engine.py`` (node-local pulls from symmetric memory after a serial
 send/recv cross-node phase) or ``transport/p2p.py`` (one rank per node): those transports
 run the plans of ``comm/plan.py`` (``GroupPlan.exchanges``, ``build_rs_plan``) without an op
 list, and :class:`Timeline` runs their protocol step by step as the transport does, in
-the same order, serial where the code is serial.
+the same order, serial where the code is serial, for local rank 0 (the ranks are alike).
 """
 
 from __future__ import annotations
@@ -66,6 +72,8 @@ from torchtitan_tide.comm.plans.plan import (
     build_rs_plan,
     packed_entry,
 )
+from torchtitan_tide.comm.plans.window_arena import aligned
+from torchtitan_tide.simulator.engine import on_device
 from torchtitan_tide.simulator.interference import CE, CE_LOCAL, NCCL, NIC, SM_AG, SM_RS
 from torchtitan_tide.simulator.results import SimulateError
 
@@ -80,13 +88,16 @@ __all__ = [
     "in_place_at",
 ]
 
-# CUDA streams of TIDE (comm/streams.py) and of the NCCL communicator TIDE's send/recv use
-TIDE, ONE_SIDED, PLACE, RS_CROSS, RS_LOCAL, NCCL_P2P = (
-    "tide", "tide_one_sided", "tide_place", "tide_rs_cross", "rs_local", "nccl_p2p",
-)  # fmt: skip
+# CUDA streams of TIDE (comm/streams.py) by the op streams of window_rounds the transports
+# run them on (transport/windows.py's _STREAMS, transport/one_sided.py's AG_PUT_STREAM and
+# phase 2's tide_rs_cross: torch modules, so named here; tests/bench/test_simulate_findings.py
+# checks they agree), and those of the NCCL communicator TIDE's send/recv use
+AG_STREAMS = {wr.MAIN: "tide", wr.PUT: "tide_one_sided", wr.FAN: "tide_fan",
+              wr.PLACE: "tide_place"}  # fmt: skip
+TIDE, ONE_SIDED, FAN, PLACE = (AG_STREAMS[k] for k in (wr.MAIN, wr.PUT, wr.FAN, wr.PLACE))
+RS_CROSS, RS_LOCAL, NCCL_P2P = "tide_rs_cross", "rs_local", "nccl_p2p"
 TRANSPORTS = ("windows", "copy_engine", "p2p")
 NIC_LINK, NVLINK, HBM = "nic", "nvlink", "hbm"
-ARENA_ALIGN = 256  # window_arena.ARENA_ALIGN: each in-place parameter starts on it
 Marker = tuple[str, ...]  # a point of a stream: every named op ended
 
 
@@ -96,7 +107,10 @@ class Work:
     the plan, or of the transport's protocol: ``Cast``, ``SendRecv``, ``Pull``, ``Push``,
     ``Issue``), the interference ``engine``, the shared ``link`` it moves ``nbytes`` over
     (``link_bytes`` of them over the link where a batch mixes NVLink and local copies),
-    its ``flow`` on the link (FIFO per flow), and what it waits for."""
+    its ``flow`` on the link (FIFO per flow), what it waits for, the local rank
+    (``device``) whose GPU runs it (its name, stream and link carry the rank,
+    ``engine.on_device``), and how many consecutive ops of the plan it stands for
+    (``count``: each pays its latency; nobody waits for one but the last)."""
 
     name: str
     stream: str
@@ -110,8 +124,12 @@ class Work:
     issued_with: Marker = ()
     group: str = ""
     priority: int = 0
+    device: int = 0
+    count: int = 1  # ops of the plan run as this one (consecutive, alike: ``_alike``)
 
 
+# ops that consecutive, alike and unwaited run as one (each keeps its latency: ``count``)
+MERGED = ("Put", "PackSlices", "Place")
 AG_TRANSPORTS = ("auto", "nccl_windows", "copy_engine", "nccl_p2p", "gloo")  # [tide] ag_transport
 CROSS_NODE = ("auto", "p2p", "nccl_one_sided")  # [tide] cross_node_transport
 
@@ -167,7 +185,8 @@ def _specs(group: GroupShape, world: int) -> list[ParamSpec]:
 def in_place_at(layout: WorldLayout) -> bool:
     """Whether the op plan delivers all-gathers in place at ``layout``: the switch is the
     plan itself (``window_rounds.ag_in_place_ops`` refuses a layout it cannot run with a
-    ``ValueError``; today one rank per node only), so the simulation follows the code."""
+    ``ValueError``; today it runs at every ``N x L`` of more than one node), so the
+    simulation follows the code."""
     if layout.num_nodes < 2:
         return False
     plan = build_group_plan([ParamSpec("probe", 1, "torch.bfloat16")], layout, 0,
@@ -212,30 +231,38 @@ class _Round:
 
 
 class Timeline:
-    """Rank 0's TIDE work of one step, in issue order (the order the host issues it, the
-    same on every rank). Methods add one collective and return its :class:`Work` and the
-    :data:`Marker` its consumer waits for."""
+    """TIDE's work of one step for the simulated local ranks of node 0 (:attr:`classes`), in
+    issue order (the order the host issues it, the same on every rank). Methods add one
+    collective and return its :class:`Work` and, per simulated local rank, the
+    :data:`Marker` its consumer waits for. Markers given to a method are local rank 0's
+    names; local rank ``l`` waits for the same points of its own streams
+    (``engine.on_device``)."""
 
     def __init__(self, layout: WorldLayout, run: TideRun, groups: Sequence[GroupShape]) -> None:
         self.layout, self.run = layout, run
         self.world, self.node = layout.world_size, 0
         self.works: list[Work] = []
         self._last: dict[str, Marker] = {}
+        self._order: dict[str, tuple[str, int]] = {}  # op name -> (its stream, issue number)
+        self._issued = 0
         self._rounds = 0
-        self._positions: list[list[Marker]] = []
+        self._names: list[dict[int, list[str]]] = []  # per call: each local rank's op names
         self._pending: dict[tuple[int, int, str], deque] = {}
         self._tables: dict[tuple, tuple] = {}
         self._plans: dict[tuple, GroupPlan] = {}
         self._rs_plans: dict[tuple, RSPlan] = {}
         self.ag_index = self.round_index = self.in_place_index = 0
         self.ring_steps = 0
-        self.partial_free: list[Marker] = []
         self.in_place = (run.transport == "windows" and run.model.ag_in_place_groups > 0
                          and in_place_at(layout))  # fmt: skip
+        lws = layout.local_world_size
+        # the local ranks simulated: all where their plans differ (in place), else rank 0
+        self.classes: tuple[int, ...] = tuple(range(lws)) if self.in_place else (0,)
+        self.partial_free: dict[int, list[Marker]] = {c: [] for c in self.classes}
         shards = [sum(padded_shard_numel(s, self.world) for s in g.param_shapes) for g in groups]
         entry = max((self._packing(g).entry_bytes for g in groups), default=0)
-        rows = min(run.model.rs_rows, layout.local_world_size)
-        self.wl = wr.window_layout(layout.num_nodes, layout.local_world_size, entry,
+        rows = min(run.model.rs_rows, lws)
+        self.wl = wr.window_layout(layout.num_nodes, lws, entry,
                                    rows * max(shards, default=0) * run.grad_bytes,
                                    run.model.slot_reuse)  # fmt: skip
         self.ring = (wr.ring_layout(run.model.rs_inflight, 4 * max(shards, default=1),
@@ -244,19 +271,49 @@ class Timeline:
 
     # ------------------------------------------------------------ bookkeeping
 
-    def marker(self, stream: str) -> Marker:
-        return self._last.get(stream, ())
+    def _class(self, rank: int) -> int:
+        """The simulated local rank whose timeline stands for group rank ``rank``."""
+        return self.layout.local_of(rank) if len(self.classes) > 1 else 0
 
-    def wait_on(self, stream: str, marker: Marker) -> None:
-        """``stream`` waits for ``marker`` (an event; FSDP's or the transport's)."""
-        self._last[stream] = tuple(dict.fromkeys((*self._last.get(stream, ()), *marker)))
+    def marker(self, stream: str, device: int = 0) -> Marker:
+        return self._last.get(on_device(stream, device), ())
+
+    def wait_on(self, stream: str, marker: Marker, device: int = 0) -> None:
+        """Local rank ``device``'s ``stream`` waits for ``marker`` (an event; FSDP's or the
+        transport's)."""
+        key = on_device(stream, device)
+        self._last[key] = self._latest((*self._last.get(key, ()), *marker))
+
+    def _latest(self, names: Sequence[str]) -> Marker:
+        """``names`` without those an op later on the same stream implies (streams are
+        FIFO): a marker stays as long as the streams it spans."""
+        last: dict[str, tuple[int, str]] = {}
+        other = []
+        for name in names:
+            at = self._order.get(name)
+            if at is None:  # not TIDE's (FSDP's compute stream)
+                other.append(name)
+            elif at[0] not in last or at[1] > last[at[0]][0]:
+                last[at[0]] = (at[1], name)
+        return tuple(dict.fromkeys((*other, *(name for _, name in last.values()))))
+
+    def _reserve(self, name: str, stream: str) -> None:
+        if name not in self._order:
+            self._order[name] = (stream, self._issued)
+            self._issued += 1
 
     def _add(self, work: Work) -> Marker:
-        after = tuple(dict.fromkeys((*self._last.get(work.stream, ()), *work.after)))
-        work = Work(**{**work.__dict__, "after": after})
-        self.works.append(work)
-        self._last[work.stream] = (work.name,)
-        return (work.name,)
+        """``work`` (local rank 0's name, stream and link; ``after`` of its own rank) on
+        local rank ``work.device``, after everything its stream waits for."""
+        d = work.device
+        name, stream = on_device(work.name, d), on_device(work.stream, d)
+        after = self._latest((*self._last.get(stream, ()), *work.after))
+        self._reserve(name, stream)
+        self.works.append(dataclasses.replace(
+            work, name=name, stream=stream, link=on_device(work.link, d) if work.link else "",
+            after=after))  # fmt: skip
+        self._last[stream] = (name,)
+        return (name,)
 
     def _take(self) -> list[Work]:
         out, self.works = self.works, []
@@ -290,14 +347,15 @@ class Timeline:
                             for key, queue in self._pending.items()
                             if key[2] in comms and queue))  # fmt: skip
 
-    def _wait_table(self, kind: str, mine: list, ops_of: Callable[[int], list]) -> dict:
-        """Per position of rank 0's ``mine`` that waits: the (round - now, position) of every
-        signal its wait consumes, over every rank's corresponding wait (module docstring).
-        Calls whose rank-0 ops and pending signals are alike resolve alike: computed once."""
-        k = self._rounds
-        comms = {getattr(op, "comm", None) for op in mine} - {None}
+    def _wait_table(self, kind: str, k: int, lists: dict[int, list],
+                    ops_of: Callable[[int], list]) -> dict:  # fmt: skip
+        """Per (local rank, position) of the simulated ``lists`` that waits: the (call -
+        ``k``, sender's simulated local rank, position) of every signal its wait consumes,
+        over every rank of that local index (module docstring). Calls whose op lists and
+        pending signals are alike resolve alike: computed once."""
+        comms = {op.comm for ops in lists.values() for op in ops if hasattr(op, "comm")}
         before = self._pending_rel(comms, k)
-        cache = (kind, _signature(mine), before)
+        cache = (kind, tuple(_signature(lists[c]) for c in self.classes), before)
         if (hit := self._tables.get(cache)) is not None:
             table, after = hit
             for key in [key for key in self._pending if key[2] in comms]:
@@ -305,20 +363,26 @@ class Timeline:
             for key, queue in after:
                 self._pending[key] = deque((k + r, pos) for r, pos in queue)
             return table
-        lists = {q: (mine if q == 0 else ops_of(q)) for q in range(self.world)}
-        kinds = [(type(op), getattr(op, "stream", None)) for op in mine]
-        for q, ops in lists.items():
-            if [(type(op), getattr(op, "stream", None)) for op in ops] != kinds:
+        shapes = {c: [(type(op), getattr(op, "stream", None)) for op in ops]
+                  for c, ops in lists.items()}  # fmt: skip
+        every: dict[int, list] = {}
+        for q in range(self.world):
+            c = self._class(q)
+            rep = self.layout.rank_of(self.node, c)
+            ops = lists[c] if q == rep else ops_of(q)
+            if [(type(op), getattr(op, "stream", None)) for op in ops] != shapes[c]:
                 raise SimulateError(
-                    f"the op plan of rank {q} is not rank 0's relabeled ({kind}): the simulator "
-                    "times a rank's waits by the ranks' common plan (docs/design/2026-12-07-simulator.md)"
+                    f"the op plan of rank {q} is not rank {rep}'s relabeled ({kind}): the "
+                    "simulator times the ranks of one local index by one plan "
+                    "(docs/design/2026-12-07-simulator.md)"
                 )
-        for q, ops in lists.items():
+            every[q] = ops
+        for q, ops in every.items():
             for i, op in enumerate(ops):
                 if isinstance(op, (wr.Put, wr.Signal)):
                     self._pending.setdefault((q, op.peer, op.comm), deque()).append((k, i))
-        table: dict[int, set] = {}
-        for q, ops in lists.items():
+        table: dict[tuple[int, int], set] = {}
+        for q, ops in every.items():
             for j, op in enumerate(ops):
                 if not isinstance(op, wr.Wait):
                     continue
@@ -329,67 +393,121 @@ class Timeline:
                         f"{op.comm!r} that no earlier op sends ({kind})"
                     )
                 for _ in range(op.count):
-                    at = queue.popleft()
-                    if at[0] == k and at[1] >= j:
-                        raise SimulateError(
-                            f"rank {q} waits at op {j} for a signal its peer's plan issues "
-                            f"later (op {at[1]}, {kind}): the simulator needs a signal to "
-                            "precede its wait in the ranks' common plan"
-                        )
-                    table.setdefault(j, set()).add((at[0] - k, at[1]))
+                    call, pos = queue.popleft()
+                    table.setdefault((self._class(q), j), set()).add(
+                        (call - k, self._class(op.peer), pos))  # fmt: skip
         self._pending = {key: queue for key, queue in self._pending.items() if queue}
-        frozen = {j: tuple(sorted(t)) for j, t in table.items()}
+        frozen = {at: tuple(sorted(t)) for at, t in table.items()}
         self._tables[cache] = (frozen, self._pending_rel(comms, k))
         return frozen
 
     def _call(self, kind: str, ops_of: Callable[[int], list], ctx: _Round) -> None:
-        """Rank 0's ops of one call of a plan function, as :class:`Work` (module table)."""
-        mine = ops_of(0)
-        table = self._wait_table(kind, mine, ops_of) if any(
-            isinstance(op, (wr.Put, wr.Signal, wr.Wait)) for op in mine) else {}  # fmt: skip
+        """Every simulated local rank's ops of one call of a plan function, as
+        :class:`Work` (module table). Names are given first, so a wait may name a signal
+        a peer issues later in its list (its streams run beside the waiting one)."""
+        lists = {c: ops_of(self.layout.rank_of(self.node, c)) for c in self.classes}
         k = self._rounds
         self._rounds += 1
-        positions: list[Marker] = []
-        self._positions.append(positions)
-        for j, op in enumerate(mine):
+        names: dict[int, list[str]] = {}
+        for c, ops in lists.items():
+            names[c] = []
+            last: dict[str, str | None] = {}  # stream -> its last op of this call, if nothing since
+            for j, op in enumerate(ops):
+                name = on_device(f"{ctx.prefix}.{j}.{type(op).__name__}", c)
+                if isinstance(op, wr.Fork):
+                    last[ctx.stream(op.dst)] = None
+                elif isinstance(op, wr.Wait):
+                    last[ctx.stream(op.stream)] = None
+                else:
+                    stream = ctx.stream(getattr(op, "stream", ""))
+                    if isinstance(op, wr.Signal) and last.get(stream):
+                        name = last[stream]  # issued right after it: the same point
+                    else:
+                        self._reserve(name, on_device(stream, c))
+                        last[stream] = name
+                names[c].append(name)
+        self._names.append(names)
+        table = self._wait_table(kind, k, lists, ops_of) if any(
+            isinstance(op, (wr.Put, wr.Signal, wr.Wait))
+            for ops in lists.values() for op in ops) else {}  # fmt: skip
+        targets = {at: self._latest([self._names[k + call][sender][pos]
+                                     for call, sender, pos in found])
+                   for at, found in table.items()}  # fmt: skip
+        waited = {name for found in targets.values() for name in found}
+        waited |= {names[self._class(key[0])][pos] for key, queue in self._pending.items()
+                   for call, pos in queue if call == k}  # fmt: skip
+        for c, ops in lists.items():
+            self._emit(c, ops, names[c], targets, waited, ctx)
+
+    def _emit(self, c: int, ops: list, names: list[str], targets: dict, waited: set,
+              ctx: _Round) -> None:  # fmt: skip
+        """Local rank ``c``'s ops of one call as :class:`Work`, in order: ``names`` of its
+        positions, ``targets`` of its waits, the names a wait waits for (``waited``).
+        Consecutive alike ops of a stream that nobody waits for one by one run as one
+        (:func:`_alike`)."""
+        held: dict[str, Work] = {}  # per stream: its last op, open to the next alike
+
+        def flush(stream: str) -> None:
+            if stream in held:
+                self._add(held.pop(stream))
+
+        for j, op in enumerate(ops):
             name = f"{ctx.prefix}.{j}.{type(op).__name__}"
             if isinstance(op, wr.Fork):
-                self.wait_on(ctx.stream(op.dst), self.marker(ctx.stream(op.src)))
-                positions.append(())
+                src, dst = ctx.stream(op.src), ctx.stream(op.dst)
+                flush(src)
+                mark = self.marker(src, c)
+                if not set(mark) <= set(self.marker(dst, c)):  # else ``dst`` waits for it
+                    flush(dst)
+                    self.wait_on(dst, mark, c)
                 continue
             stream = ctx.stream(getattr(op, "stream", ""))
             if isinstance(op, wr.Wait):
-                targets: list[str] = []
-                for offset, pos in table.get(j, ()):
-                    targets += self._positions[k + offset][pos]
-                self.wait_on(stream, tuple(targets))
-                positions.append(())
+                flush(stream)
+                self.wait_on(stream, targets.get((c, j), ()), c)
             elif isinstance(op, wr.Signal):
-                positions.append(self.marker(stream))
+                if names[j] == on_device(name, c):  # else the point of an op before it
+                    flush(stream)
+                    self._add(Work(name, stream, "Signal", group=ctx.group, device=c))
             else:
-                positions.append(self._add(self._work(op, name, stream, ctx)))
+                work = self._work(op, name, stream, ctx, c)
+                before = held.get(stream)
+                if before is not None and _alike(before, work):
+                    work = dataclasses.replace(
+                        work, nbytes=before.nbytes + work.nbytes,
+                        link_bytes=before.link_bytes + work.link_bytes,
+                        count=before.count + work.count)  # fmt: skip
+                else:
+                    flush(stream)
+                held[stream] = work
+                if names[j] in waited:  # a peer waits for this op's end: its own
+                    flush(stream)
+        for stream in list(held):
+            flush(stream)
 
-    def _work(self, op: object, name: str, stream: str, ctx: _Round) -> Work:
-        """The charge of one op of a plan by its type (module table)."""
+    def _work(self, op: object, name: str, stream: str, ctx: _Round, device: int) -> Work:
+        """The charge of one op of local rank ``device``'s plan by its type (module table)."""
         if isinstance(op, wr.PackOwn):
-            return Work(name, stream, "PackOwn", SM_AG, nbytes=op.nbytes, group=ctx.group)
+            return Work(name, stream, "PackOwn", SM_AG, nbytes=op.nbytes, group=ctx.group,
+                        device=device)  # fmt: skip
         if isinstance(op, wr.PackSlices):
             nbytes = sum(s.numel for s in op.slices) * self.run.grad_bytes
             return Work(name, stream, "PackSlices", CE_LOCAL, HBM, nbytes, nbytes, stream,
-                        group=ctx.group)  # fmt: skip
+                        group=ctx.group, device=device)  # fmt: skip
         if isinstance(op, wr.Put):
             across = self.layout.node_of(op.peer) != self.node
             return Work(name, stream, "Put", NIC if across else CE, NIC_LINK if across else NVLINK,
                         op.nbytes, op.nbytes, op.comm if across else stream, group=ctx.group,
-                        priority=int(getattr(op, "priority", 0)))  # fmt: skip
+                        priority=int(getattr(op, "priority", 0)), device=device)  # fmt: skip
         if isinstance(op, wr.Place):
             nbytes = len(op.entries) * op.entry_bytes
             return Work(name, stream, "Place", CE_LOCAL, HBM, nbytes, nbytes, stream,
-                        group=ctx.group)  # fmt: skip
+                        group=ctx.group, device=device)  # fmt: skip
         if isinstance(op, wr.Accumulate):
             row_numel = op.row_bytes // ctx.row_itemsize
             nbytes = op.count * op.row_bytes + ctx.target_bytes * row_numel
-            return Work(name, stream, "Accumulate", SM_RS, nbytes=nbytes, group=ctx.group)
+            return Work(name, stream, "Accumulate", SM_RS, nbytes=nbytes, group=ctx.group,
+                        device=device)  # fmt: skip
         raise SimulateError(
             f"op plan: unknown op {type(op).__name__} ({op!r}); the simulator charges "
             "PackOwn, PackSlices, Put, Place, Accumulate, Signal, Wait and Fork "
@@ -399,19 +517,22 @@ class Timeline:
     # ------------------------------------------------------------ TIDE-AG
 
     def all_gather(self, group: GroupShape, tag: str, issued_with: Marker,
-                   after: Marker = ()) -> tuple[list[Work], Marker]:  # fmt: skip
+                   after: Marker = ()) -> tuple[list[Work], tuple[Marker, ...]]:  # fmt: skip
         """One TIDE-AG of ``group`` issued as ``issued_with`` starts (FSDP2's prefetch);
-        returns its work and the point of TIDE's stream the consumer waits for."""
+        returns its work and, per simulated local rank (:attr:`classes`), the point of
+        TIDE's stream the consumer waits for."""
         prefix = f"{group.name}.{tag}.ag"
-        self._add(Work(f"{prefix}_issue", TIDE, "Issue", after=after, issued_with=issued_with,
-                       group=group.name))  # fmt: skip
+        for c in self.classes:
+            self._add(Work(f"{prefix}_issue", TIDE, "Issue", after=_at(after, c),
+                           issued_with=_at(issued_with, c), group=group.name,
+                           device=c))  # fmt: skip
         if self.run.transport == "windows":
             self._windows_gather(group, prefix)
         elif self.run.transport == "copy_engine":
             self._copy_engine_gather(group, prefix)
         else:
             self._p2p_gather(group, prefix)
-        return self._take(), self.marker(TIDE)
+        return self._take(), tuple(self.marker(TIDE, c) for c in self.classes)
 
     def _shard_bytes(self, group: GroupShape) -> int:
         return sum(padded_shard_numel(s, self.world) for s in group.param_shapes) * (
@@ -419,18 +540,19 @@ class Timeline:
         )
 
     def _windows_gather(self, group: GroupShape, prefix: str) -> None:
-        streams = {wr.MAIN: TIDE, wr.PUT: ONE_SIDED, wr.PLACE: PLACE}
-        ctx = _Round(streams, prefix, group.name)
+        ctx = _Round(AG_STREAMS, prefix, group.name)
         if self.in_place:
-            # tide_all_gather casts the own shards into the arena, then the plan puts
+            # tide_all_gather casts the own shards into the arena, then the plan puts;
+            # bind_in_place's offsets: every parameter's unsharded bytes aligned
             shard_bytes = tuple(padded_shard_numel(s, self.world) * self.run.param_bytes
                                 for s in group.param_shapes)  # fmt: skip
             offsets, total = [], 0
             for n in shard_bytes:
                 offsets.append(total)
-                total += -(-n * self.world // ARENA_ALIGN) * ARENA_ALIGN
-            self._add(Work(f"{prefix}_cast", TIDE, "Cast", SM_AG,
-                           nbytes=sum(shard_bytes), group=group.name))  # fmt: skip
+                total += aligned(n * self.world)
+            for c in self.classes:
+                self._add(Work(f"{prefix}_cast", TIDE, "Cast", SM_AG, nbytes=sum(shard_bytes),
+                               group=group.name, device=c))  # fmt: skip
             index = self.in_place_index
             self.in_place_index += 1
 
@@ -452,9 +574,9 @@ class Timeline:
         self._call("ag_round", ops_of, ctx)
 
     def _exchange(self, prefix: str, stream: str, nbytes: float, group: str) -> None:
-        """One NCCL send/recv exchange (``batch_isend_irecv`` on the group's communicator:
-        its kernel on the communicator's stream after ``stream``; ``stream`` waits for it,
-        as ``Work.wait`` makes the current stream wait)."""
+        """One NCCL send/recv exchange of local rank 0 (``batch_isend_irecv`` on the
+        group's communicator: its kernel on the communicator's stream after ``stream``;
+        ``stream`` waits for it, as ``Work.wait`` makes the current stream wait)."""
         self._add(Work(f"{prefix}_sendrecv", NCCL_P2P, "SendRecv", NCCL, NIC_LINK, nbytes,
                        nbytes, "nccl", after=self.marker(stream), group=group))  # fmt: skip
         self.wait_on(stream, self.marker(NCCL_P2P))
@@ -488,28 +610,32 @@ class Timeline:
 
     # ------------------------------------------------------------ TIDE-RS
 
-    def reduce(self, group: GroupShape, after: Marker) -> tuple[list[Work], Marker]:
+    def reduce(self, group: GroupShape, after: Marker) -> tuple[list[Work], tuple[Marker, ...]]:
         """One TIDE-RS of ``group`` after ``after`` (its backward), as ``tide_reduce`` runs
         it: per chunk of the plan (the own node's first) its node-local rounds on the
         phase-1 stream, then (another node's chunk) phase 2 on ``tide_rs_cross`` after them,
         each partial in a ring of ``rs_inflight`` that phase 1 waits to reuse. Returns the
-        work and the point FSDP's post-reduce event marks."""
+        work and, per simulated local rank, the point FSDP's post-reduce event marks."""
         run, layout = self.run, self.layout
         comm = TIDE if run.model.slot_reuse else RS_LOCAL
         prefix = f"{group.name}.rs"
-        self._add(Work(f"{prefix}_issue", comm, "Issue", after=after, group=group.name))
+        for c in self.classes:
+            self._add(Work(f"{prefix}_issue", comm, "Issue", after=_at(after, c),
+                           group=group.name, device=c))  # fmt: skip
         plan = self._rs_plan(group, 0)
         shard = plan.shard_numel
+        inflight = run.model.rs_inflight
         for c, chunk in enumerate(plan.chunks):
             own = chunk.cross_peers is None
-            if not own and len(self.partial_free) >= run.model.rs_inflight:
-                self.wait_on(comm, self.partial_free[-run.model.rs_inflight])
+            for d in self.classes:
+                if not own and len(self.partial_free[d]) >= inflight:
+                    self.wait_on(comm, self.partial_free[d][-inflight], d)
             for r, rnd in enumerate(chunk.rounds):
                 self._rs_round(group, c, r, comm, f"{prefix}.c{c}r{r}", rnd.first, shard)
             if not own:
                 self._phase2(group, c, comm, f"{prefix}.c{c}", shard)
-        done = self.marker(RS_CROSS) if layout.num_nodes > 1 else self.marker(comm)
-        return self._take(), done
+        last = RS_CROSS if layout.num_nodes > 1 else comm
+        return self._take(), tuple(self.marker(last, d) for d in self.classes)
 
     def _rs_round(self, group: GroupShape, c: int, r: int, comm: str, prefix: str,
                   first: bool, shard: int) -> None:  # fmt: skip
@@ -524,8 +650,8 @@ class Timeline:
                 return wr.rs_round_ops(self.wl, layout, q, chunk.rounds[r], chunk.pushes[r],
                                        shard, run.grad_bytes, rnd_index)  # fmt: skip
 
-            ctx = _Round({wr.MAIN: comm, wr.PUT: ONE_SIDED, wr.PLACE: PLACE}, prefix, group.name,
-                         run.grad_bytes, target)  # fmt: skip
+            ctx = _Round({**AG_STREAMS, wr.MAIN: comm}, prefix, group.name, run.grad_bytes,
+                         target)  # fmt: skip
             self._call("rs_round", ops_of, ctx)
             return
         chunk = self._rs_plan(group, 0).chunks[c]
@@ -550,14 +676,16 @@ class Timeline:
 
     def _phase2(self, group: GroupShape, c: int, comm: str, prefix: str, shard: int) -> None:
         """Phase 2 of chunk ``c``: ``cross.wait_stream(comm)``, the partial rounded to the
-        wire dtype (bf16: a cast kernel), then the ring step (one-sided) or send/recv, the
-        received partial added into the output."""
+        wire dtype (bf16: a cast kernel), then the ring step (one-sided: its puts, waits and
+        credits on the ring, which first waits for TIDE-AG's put stream, the NIC rule) or
+        send/recv, the received partial added into the output."""
         run = self.run
-        self.wait_on(RS_CROSS, self.marker(comm))
         nbytes = shard * run.model.rs_wire_bytes
-        if run.model.rs_wire_bytes != 4:
-            self._add(Work(f"{prefix}_wire", RS_CROSS, "Cast", SM_AG, nbytes=nbytes,
-                           group=group.name))  # fmt: skip
+        for d in self.classes:
+            self.wait_on(RS_CROSS, self.marker(comm, d), d)
+            if run.model.rs_wire_bytes != 4:
+                self._add(Work(f"{prefix}_wire", RS_CROSS, "Cast", SM_AG, nbytes=nbytes,
+                               group=group.name, device=d))  # fmt: skip
         if run.one_sided:
             step = self.ring_steps
             self.ring_steps += 1
@@ -567,11 +695,26 @@ class Timeline:
             def ops_of(q: int) -> list:
                 return wr.ring_step_ops(ring, layout, q, step, src, nbytes)
 
-            ctx = _Round({wr.PUT: RS_CROSS, wr.MAIN: RS_CROSS}, f"{prefix}.p2", group.name,
-                         run.model.rs_wire_bytes, 8)  # fmt: skip
+            ctx = _Round({wr.RING: RS_CROSS, wr.PUT: ONE_SIDED, wr.MAIN: RS_CROSS},
+                         f"{prefix}.p2", group.name, run.model.rs_wire_bytes, 8)  # fmt: skip
             self._call("ring", ops_of, ctx)
         else:
             self._exchange(f"{prefix}.p2", RS_CROSS, nbytes, group.name)
             self._add(Work(f"{prefix}.p2_acc", RS_CROSS, "Accumulate", SM_RS,
                            nbytes=nbytes + 8 * shard, group=group.name))  # fmt: skip
-        self.partial_free.append(self.marker(RS_CROSS))
+        for d in self.classes:
+            self.partial_free[d].append(self.marker(RS_CROSS, d))
+
+
+def _alike(before: Work, work: Work) -> bool:
+    """Whether ``work``, issued right after ``before`` on its stream with nothing waited
+    between, runs as one op with it: same kind of op over the same link and flow (their
+    times add: each op's latency, ``count``, and their bytes at the link's rate)."""
+    return (before.what, before.engine, before.link, before.flow, before.priority) == (
+        work.what, work.engine, work.link, work.flow, work.priority
+    ) and work.what in MERGED and not work.issued_with and not work.after  # fmt: skip
+
+
+def _at(marker: Marker, device: int) -> Marker:
+    """Local rank 0's ``marker`` (FSDP's compute stream) as local rank ``device``'s."""
+    return tuple(on_device(name, device) for name in marker)

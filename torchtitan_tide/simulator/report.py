@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_tide.simulator.cluster import NCCL_MEASURED, Cluster
-from torchtitan_tide.simulator.engine import idle_and_comm
+from torchtitan_tide.simulator.engine import base_name, device_spans, idle_and_comm, other_spans
 from torchtitan_tide.simulator.inputs import (
     MEASURED_STEPS,
     MODES,
@@ -79,10 +79,14 @@ ASSUMPTIONS = (
         "cross_node_transport = 'auto' take on the row's NCCL (>= 2.29: NCCL windows and the "
         "one-sided phase-2 ring, host RMA between nodes assumed; 2.28.9: copy engine in the "
         "node, send/recv across), fp32 partials on the RS wire unless a row says bf16; in place "
-        "where the plan delivers in place (one rank per node today: not at 8 x 8)"
+        "where the plan delivers in place (every N x L of more than one node since issue 45: "
+        "at 8 x 8 no pack, no placement copy); every local rank of a node simulated on its own "
+        "GPU (streams, NIC, NVLink, HBM), the one whose step ends last sets the step; the "
+        "in-place arena's credits not modeled (every all-gather finds its range free)"
     ),
     (
-        "local copies (placement, pack): the most pessimistic figure the project has until "
+        "local copies (placement, pack; in place at 8 x 8: TIDE-RS's pack only): the most "
+        "pessimistic figure the project has until "
         "bench_interference --one-gpu measures a copy forced onto the copy engine "
         "(local_batch_ce): the interference table says which"
     ),
@@ -420,13 +424,23 @@ def tokens_nic_rows(
     return rows
 
 
+AS_RUN = "as run (in place at N x L: no pack, no placement copy)"
+IN_PLACE_OFF = "for reference, what the code runs with in place off (ag_in_place_groups = 0)"
+PACK_AS_NVLINK = "TIDE-RS pack copies as NVLink copies"
+NO_PACK = "no TIDE-RS pack copies (no local copy left)"
+WHAT_IFS = (AS_RUN, IN_PLACE_OFF, PACK_AS_NVLINK, NO_PACK)
+
+
 def what_if_rows(results_dir: Path, cluster: Cluster, gpus: int = 64) -> list[dict[str, Any]]:
-    """What would close the rest, NOT what the code runs: the headline's NCCL 2.31 row with
-    one input changed, each named. ``copies as NVLink copies``: local copies stretched and
-    slowing compute as the copy engine's NVLink copies (+1.8%, +9%), not the most
-    pessimistic figure (what the one-GPU measurement of a copy forced onto the copy
-    engine may show); ``no local copies``: placement and pack free (an upper bound on in
-    place at every layout, issue 45, which would remove the placement copies, not all)."""
+    """What would close the rest, NOT what the code runs: the headline's NCCL 2.31 row (in
+    place at every N x L, issue 45: the all-gather has no pack and no placement copy, so the
+    earlier "no local copies" what-if is what it runs) with one input changed, each named.
+    The local copies left are TIDE-RS phase 1's packs (``PackSlices``): ``as NVLink
+    copies``: stretched and slowing compute as the copy engine's NVLink copies (+1.8%,
+    +9%), not the most pessimistic figure (what the one-GPU measurement of a copy forced
+    onto the copy engine may show); ``no ... pack copies``: free. For reference (a row the
+    code runs, not a what-if): in place off, the placement path, to show what in place
+    took off without counting it twice."""
     from torchtitan_tide.fsdp_groups import load_config_model
 
     new = replace(cluster, nccl_version=NCCL_NEW)
@@ -436,23 +450,23 @@ def what_if_rows(results_dir: Path, cluster: Cluster, gpus: int = 64) -> list[di
         for mode in ("fsdp2", "symm_mem", "tide"):
             cm = load_config_model(f"{model}_{mode}")
             ins = build_inputs(cm, results_dir, None, 0.4)
-            variants = {mode: ins}
+            variants = {mode: (ins, {})}
             if mode == "tide":
                 variants = {
-                    "as run": ins,
-                    "local copies as NVLink copies": replace(ins, engines={
-                        **ins.engines, "ce_local": ins.engines["ce"]}),
-                    "no local copies (upper bound of in place at N x L)": replace(
-                        ins, copy_gibps=1e12, engines={**ins.engines, "ce_local": (0.0, 0.0)}),
+                    AS_RUN: (ins, {}),
+                    IN_PLACE_OFF: (ins, {"in_place_groups": 0}),
+                    PACK_AS_NVLINK: (replace(ins, engines={
+                        **ins.engines, "ce_local": ins.engines["ce"]}), {}),
+                    NO_PACK: (replace(ins, copy_gibps=1e12, engines={
+                        **ins.engines, "ce_local": (0.0, 0.0)}), {}),
                 }  # fmt: skip
-            for name, variant in variants.items():
+            for name, (variant, kw) in variants.items():
                 sim = simulate_config(f"{model}_{mode}", gpus, [mode], new, results_dir, cm=cm,
-                                      inputs=variant)  # fmt: skip
+                                      inputs=variant, **kw)  # fmt: skip
                 steps[name] = sim["rows"][0]["sim_step_ms"]
                 if mode == "fsdp2":
                     ceiling = steps[name] / _floor(sim["rows"][0])
-        for name in ("as run", "local copies as NVLink copies",
-                     "no local copies (upper bound of in place at N x L)"):  # fmt: skip
+        for name in WHAT_IFS:
             rows.append({"model": model, "what_if": name, "sim_step_ms": steps[name],
                          "vs_fsdp2_speedup": steps["fsdp2"] / steps[name],
                          "ceiling_vs_fsdp2": ceiling,
@@ -513,7 +527,9 @@ BREAKDOWN = [("sim_bd_compute_ms", "compute ms"),
              ("sim_bd_optimizer_ms", "optimizer ms"), ("sim_bd_host_ms", "host ms")]  # fmt: skip
 BASELINE_COLUMNS = [("model", "model"), ("variant", "variant"),
                     ("tide_transport", "TIDE runs"), ("rs_phase2", "TIDE-RS phase 2"),
-                    ("in_place", "in place"), ("sim_step_ms", "sim step ms"),
+                    ("in_place", "in place"),
+                    ("sim_slowest_local_rank", "local rank that sets the step"),
+                    ("sim_step_ms", "sim step ms"),
                     ("vs_fsdp2_reduction_pct", "step-time reduction vs fsdp2 %"),
                     ("vs_fsdp2_speedup", "speed-up vs fsdp2"),
                     ("ceiling_vs_fsdp2", "ceiling vs fsdp2"),
@@ -537,7 +553,8 @@ HEADLINE_COLUMNS = [("model", "model"), ("nccl", "NCCL"), ("tide_runs", "TIDE ru
                     ("exposed_ms", "of it: exposed comm ms"), ("layout_ms", "of it: layout ms"),
                     ("local_copies_ms", "local copies, device ms (off the compute stream)"),
                     ("paper", "the paper")]  # fmt: skip
-WHAT_IF_COLUMNS = [("model", "model"), ("what_if", "what if (not what the code runs)"),
+WHAT_IF_COLUMNS = [("model", "model"),
+                   ("what_if", "what if (not what the code runs, unless the row says so)"),
                    ("sim_step_ms", "sim step ms"), ("vs_fsdp2_speedup", "speed-up vs fsdp2"),
                    ("ceiling_vs_fsdp2", "ceiling vs fsdp2"),
                    ("vs_symm_speedup", f"speed-up vs symm_mem (NCCL {NCCL_NEW})")]  # fmt: skip
@@ -630,7 +647,8 @@ def write_report(results_dir: Path, out_dir: Path, cluster: Cluster) -> dict[str
                f"against stock and SymmMem of the same NCCL, with its ceiling ({sim})",
                HEADLINE_COLUMNS, headline),
         _table(f"What would close the rest at 64 GPUs on NCCL {NCCL_NEW}: WHAT-IFS, not what the "
-               f"code runs (one input changed each; {sim})", WHAT_IF_COLUMNS, what_if),
+               "code runs (one input changed each; the row with in place off is, for reference, "
+               f"what the code runs with it off; {sim})", WHAT_IF_COLUMNS, what_if),
         _table("64 GPUs: every row the code runs, against stock FSDP2 and the SymmMem of the "
                f"same NCCL, with the step's breakdown ({sim})", BASELINE_COLUMNS, baseline),
         _table("The paper's figures, our assumptions it does not state, the modeled links",
@@ -720,6 +738,7 @@ STREAM_ROWS = (
     "nccl",
     "tide",
     "tide_one_sided",
+    "tide_fan",
     "tide_place",
     "tide_rs_cross",
     "nccl_p2p",
@@ -730,9 +749,10 @@ COLORS = {"compute": "#4c72b0", "layout": "#dd8452", "optimizer": "#55a868", "ho
           "sm_ag": "#555555", "sm_rs": "#000000"}  # fmt: skip
 
 
-def exposed_intervals(spans) -> list[tuple[float, float]]:
-    """Compute-stream idle intervals during which communication runs."""
-    idle, comm = idle_and_comm(spans)
+def exposed_intervals(spans, beside=()) -> list[tuple[float, float]]:
+    """Compute-stream idle intervals of one rank's ``spans`` during which communication
+    runs (its own, or the other simulated ranks' ``beside``)."""
+    idle, comm = idle_and_comm(spans, beside)
     out = []
     for a, b in idle:
         for c, d in comm:
@@ -742,8 +762,9 @@ def exposed_intervals(spans) -> list[tuple[float, float]]:
 
 
 def draw_streams(path: Path, config: str, gpus: int, cluster: Cluster, results_dir: Path) -> bool:
-    """Per mode, the streams of one simulated step over time; exposed communication
-    hatched red on the compute row. False when matplotlib is missing."""
+    """Per mode, the streams of one simulated step over time (of the local rank that sets
+    the step, where several are simulated); exposed communication hatched red on the
+    compute row. False when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -755,23 +776,25 @@ def draw_streams(path: Path, config: str, gpus: int, cluster: Cluster, results_d
     sim = simulate_config(config, gpus, MODES, cluster, results_dir)
     fig, axes = plt.subplots(len(MODES), 1, figsize=(16, 2.2 * len(MODES)), sharex=True)
     for ax, mode in zip(axes, MODES):
-        spans = sim["spans"][mode]
         row = next(r for r in sim["rows"] if r["mode"] == mode)
+        rank = row["sim_slowest_local_rank"]
+        spans = device_spans(sim["spans"][mode], rank)
+        beside = other_spans(sim["spans"][mode], rank)
         for y, stream in enumerate(STREAM_ROWS):
             bars = [
                 (s.start_ms, s.end_ms - s.start_ms, s.op.kind)
                 for s in spans
-                if s.op.stream == stream
+                if base_name(s.op.stream) == stream
             ]
             for kind in {k for _, _, k in bars}:
                 ax.broken_barh([(a, w) for a, w, k in bars if k == kind], (y - 0.4, 0.8),
                                facecolors=COLORS.get(kind, "#999999"), edgecolor="white", linewidth=0.2)  # fmt: skip
-        exposed = exposed_intervals(spans)
+        exposed = exposed_intervals(spans, beside)
         ax.broken_barh([(a, b - a) for a, b in exposed], (-0.45, 0.9), facecolors="none",
                        edgecolor="red", hatch="////", linewidth=0.8)  # fmt: skip
         ax.set_yticks(range(len(STREAM_ROWS)), STREAM_ROWS)
         ax.invert_yaxis()
-        ax.set_title(f"{mode}: step {row['sim_step_ms']:.0f} ms, exposed {row['sim_exposed_ms']:.1f} ms "
+        ax.set_title(f"{mode}{f' (local rank {rank})' if rank else ''}: step {row['sim_step_ms']:.0f} ms, exposed {row['sim_exposed_ms']:.1f} ms "
                      f"(first AG {row['sim_exposed_first_ms']:.1f}, between {row['sim_exposed_between_ms']:.1f}, "
                      f"last RS {row['sim_exposed_last_ms']:.1f}), SM-ms taken {row['sim_sm_ms_taken']:.1f}, "
                      f"comm slowed {row['sim_comm_slowed_ms']:.1f} ms", fontsize=9, loc="left")  # fmt: skip

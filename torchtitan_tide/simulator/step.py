@@ -19,7 +19,11 @@ TIDE is not modeled by hand: ``plans.Timeline`` runs the op plans the code runs
 and send/recv transports run them) for the layout, and each op is charged here by what
 it is (:meth:`_Builder.charge`). Which transport runs is what ``[tide] ag_transport`` and
 ``cross_node_transport`` take on the cluster's NCCL (:func:`tide_run`, ``auto`` as
-``comm/topology.choose_transport`` decides it). symm_mem's hierarchical collectives (NCCL
+``comm/topology.choose_transport`` decides it). Where the local ranks of a node run
+different plans (in place at ``N x L``), the step is built for each of them
+(``Timeline.classes``): every rank its own compute stream and its own GPU's links, each
+rank's work after its own compute; the figures are those of the rank whose step ends
+last (``engine.slowest_device``). symm_mem's hierarchical collectives (NCCL
 >= 2.30.7) run their two phases pipelined inside one collective: the longer phase (an
 upper bound on the baseline). Links: ``network``.
 """
@@ -37,10 +41,15 @@ from torchtitan_tide.simulator.engine import (
     COMPUTE,
     Op,
     Span,
+    base_name,
+    device_spans,
     idle_and_comm,
     intersect_length,
     merge,
+    on_device,
+    other_spans,
     simulate,
+    slowest_device,
     summarize,
 )
 from torchtitan_tide.simulator.inputs import (
@@ -90,10 +99,13 @@ def tide_model_of(
     rs_wire_bytes: int | None = None,
     cross_node: str | None = None,
     transport: str | None = None,
+    in_place_groups: int | None = None,
 ) -> TideModel:
     """The :class:`TideModel` of a config's validated ``[tide]`` section, with the wire
-    (``rs_wire_bytes``), ``cross_node_transport`` (``cross_node``) and ``ag_transport``
-    (``transport``) replaced where given."""
+    (``rs_wire_bytes``), ``cross_node_transport`` (``cross_node``), ``ag_transport``
+    (``transport``) and ``ag_in_place_groups`` (``in_place_groups``) replaced where given."""
+    if in_place_groups is None:
+        in_place_groups = int(getattr(tide, "ag_in_place_groups", 4))
     if rs_wire_bytes is None:
         rs_wire_bytes = RS_WIRE_ITEMSIZE[getattr(tide, "rs_wire_dtype", "float32")]
     return TideModel(
@@ -104,7 +116,7 @@ def tide_model_of(
         slot_reuse=bool(tide.slot_reuse),
         rs_wire_bytes=rs_wire_bytes,
         ag_pacing=int(getattr(tide, "ag_pacing", 0)),
-        ag_in_place_groups=int(getattr(tide, "ag_in_place_groups", 4)),
+        ag_in_place_groups=in_place_groups,
     )
 
 
@@ -194,28 +206,42 @@ class _Builder:
         self.ops: list[Op] = []
         self.compute_slow = {e: f for e, (f, _) in inputs.engines.items() if ":" not in e}
         self.timeline = None
+        self.devices: tuple[int, ...] = (0,)  # the local ranks simulated, each its own GPU
         if mode in ("tide", "tide_ag") and lay.world > 1:
             run = tide_run(tide, cluster, lay, dtypes)
             self.timeline = _timeline(tuple(groups), lay, run, mode)
+            self.devices = self.timeline.timeline.classes
 
     def add(self, name, stream, ms, kind, after=(), issued_with=(), group="", stretch=None,
-            link="", flow="", priority=0):  # fmt: skip
-        """One op; compute and layout kernels slow beside every engine, an engine's op
-        beside compute."""
-        if stream == COMPUTE:
+            link="", flow="", priority=0, device=0):  # fmt: skip
+        """One op of local rank ``device`` (``name``, ``stream`` and ``link`` as rank 0
+        names them; ``after`` and ``issued_with`` of the rank's own); compute and layout
+        kernels slow beside every engine, an engine's op beside compute. Returns its name."""
+        return self._append(on_device(name, device), on_device(stream, device), ms, kind, after,
+                            issued_with, group, stretch, on_device(link, device) if link else "",
+                            flow, priority, device)  # fmt: skip
+
+    def _append(self, name, stream, ms, kind, after, issued_with, group, stretch, link, flow,
+                priority, device):  # fmt: skip
+        if base_name(stream) == COMPUTE:
             slow = self.compute_slow if kind in ("compute", "layout") else {}
         else:
             g = self.inputs.engines.get(kind, (0.0, 0.0))[1] if stretch is None else stretch
             slow = {"compute": g}
         self.ops.append(Op(name, stream, max(0.0, ms), kind, tuple(after), tuple(issued_with),
-                           slow, group, link=link, flow=flow, priority=priority))  # fmt: skip
+                           slow, group, link=link, flow=flow, priority=priority,
+                           device=device))  # fmt: skip
         return name
 
-    def sm_ag(self, name, stream, ms, issued_with, group, after=()):
-        """An all-gather path's SM kernels, slowed as its own path measured."""
+    def _sm_ag_stretch(self) -> float:
+        """How much an all-gather path's SM kernels stretch beside compute: as its own
+        path measured."""
         key = SM_AG_PATH.get(self.mode, SM_AG)
-        stretch = self.inputs.engines.get(key, self.inputs.engines.get(SM_AG, (0.0, 0.0)))[1]
-        return self.add(name, stream, ms, SM_AG, after, issued_with, group, stretch)
+        return self.inputs.engines.get(key, self.inputs.engines.get(SM_AG, (0.0, 0.0)))[1]
+
+    def sm_ag(self, name, stream, ms, issued_with, group, after=()):
+        """An all-gather path's SM kernels (local rank 0), slowed as its own path measured."""
+        return self.add(name, stream, ms, SM_AG, after, issued_with, group, self._sm_ag_stretch())
 
     # ---- TIDE's work, charged by what it is (plans.Work)
     def charge(self, works: Sequence[Work]) -> None:
@@ -229,37 +255,38 @@ class _Builder:
             elif w.what == "Accumulate":
                 ms = _gib_ms(w.nbytes, ins.accumulate_gibps)
             elif w.what == "SendRecv":
-                rate = self.nic if w.link == "nic" else nvlink
+                rate = self.nic if base_name(w.link) == "nic" else nvlink
                 ms = (NCCL_BASE_US + NET_STEP_US) / 1e3 + _gib_ms(w.nbytes, rate)
             elif w.what == "Put":
                 rate, step = (
                     (self.nic, NET_STEP_US) if w.engine == NIC else (nvlink, NVLINK_STEP_US)
                 )
-                ms = step / 1e3 + _gib_ms(w.nbytes, rate)
+                ms = w.count * step / 1e3 + _gib_ms(w.nbytes, rate)
             elif w.what in ("Pull", "Push"):  # the copy engine's measured batch (own + peer)
                 batch = 2 * tide_rates["ag" if w.what == "Pull" else "rs"]
                 ms = NVLINK_STEP_US / 1e3 + max(_gib_ms(w.nbytes, batch),
                                                 _gib_ms(w.link_bytes, nvlink_gibps()))  # fmt: skip
             elif w.engine == CE_LOCAL:
-                ms = NVLINK_STEP_US / 1e3 + _gib_ms(w.nbytes, ins.copy_gibps)
-            elif w.what != "Issue":
+                ms = w.count * NVLINK_STEP_US / 1e3 + _gib_ms(w.nbytes, ins.copy_gibps)
+            elif w.what not in ("Issue", "Signal"):
                 raise SimulateError(f"no charge for {w.what!r} ({w.name})")
-            if kind == SM_AG:
-                self.sm_ag(w.name, w.stream, ms, w.issued_with, w.group, w.after)
-                continue
-            self.add(w.name, w.stream, ms, kind, w.after, w.issued_with, w.group, link=w.link,
-                     flow=w.flow, priority=w.priority)  # fmt: skip
+            stretch = self._sm_ag_stretch() if kind == SM_AG else None
+            self._append(w.name, w.stream, ms, kind, w.after, w.issued_with, w.group, stretch,
+                         w.link, w.flow, w.priority, w.device)  # fmt: skip
 
     # ---- all-gather
-    def gather(self, g: GroupShape, tag: str, issued_with: Sequence[str]) -> tuple[str, ...]:
-        """The all-gather of ``g``; returns the ops its consumer waits for."""
+    def gather(self, g: GroupShape, tag: str,
+               issued_with: dict[int, list[str]]) -> dict[int, tuple[str, ...]]:  # fmt: skip
+        """The all-gather of ``g`` issued as each simulated local rank's ``issued_with``
+        starts; returns, per local rank, the ops its consumer waits for."""
         s = group_shard_numel(g, self.lay.world)
         b = s * self.dtypes.param_bytes
         name = f"{g.name}.{tag}.ag"
-        if self.timeline is not None:
-            works, done = self.timeline.call("all_gather", g, tag, tuple(issued_with))
+        if self.timeline is not None:  # rank 0's names: the timeline names each rank's
+            works, done = self.timeline.call("all_gather", g, tag, tuple(issued_with[0]))
             self.charge(works)
-            return done
+            return dict(zip(self.devices, done))
+        issued_with = issued_with[0]
         sm = self.inputs.sm_ns.get(self.mode, {})
         cast = sm.get("cast", 0.0) * s / 1e6
         copy_in = self.inputs.layout_ns.get(self.mode, {}).get("copy_in", 0.0) * s / 1e6
@@ -270,28 +297,31 @@ class _Builder:
             cross = message_ms((lay.nodes - 1) * b, self.nic, lay.nodes - 1, NET_STEP_US)
             local = message_ms((lay.local - 1) * lay.nodes * b,
                                node_local_gibps(self.rate["ag"]), 1, NVLINK_STEP_US)  # fmt: skip
-            return (self.add(name, "nccl", max(cross, local), CE, [ready], group=g.name, **net),)
+            return {0: (self.add(name, "nccl", max(cross, local), CE, [ready], group=g.name,
+                                 **net),)}  # fmt: skip
         if self.mode == "symm_mem" and lay.nodes == 1:  # zero-CTA: the copy engine
             ms = message_ms((lay.world - 1) * b, node_local_gibps(self.rate["ag"]), 1,
                             NVLINK_STEP_US)  # fmt: skip
-            return (self.add(name, "nccl", ms, CE, [ready], group=g.name),)
+            return {0: (self.add(name, "nccl", ms, CE, [ready], group=g.name),)}
         ring = self.inputs.transport_gibps["fsdp2"]["ag"]  # symm_mem 2.28.9 across nodes too
-        return (self.add(name, "nccl", ring_ms(b, lay, ring, self.nic), NCCL, [ready],
-                         group=g.name, **net),)  # fmt: skip
+        return {0: (self.add(name, "nccl", ring_ms(b, lay, ring, self.nic), NCCL, [ready],
+                             group=g.name, **net),)}  # fmt: skip
 
-    def consume(self, g: GroupShape, ag: tuple[str, ...] | None, tag: str) -> list[str]:
-        """What ``g``'s compute waits for: its all-gather, then the copy-out on the
-        compute stream (queued at the consumer's pre-forward / pre-backward)."""
+    def consume(self, g: GroupShape, ag: dict[int, tuple[str, ...]] | None, tag: str,
+                device: int = 0) -> list[str]:  # fmt: skip
+        """What local rank ``device``'s compute of ``g`` waits for: its all-gather, then
+        the copy-out on the compute stream (queued at the consumer's pre-forward /
+        pre-backward)."""
         if ag is None:
             return []
         copy_out = self.inputs.layout_ns.get(self.mode, {}).get("copy_out", 0.0) * g.numel / 1e6
         if not copy_out:
-            return list(ag)
-        return [self.add(f"{g.name}.{tag}.copy_out", COMPUTE, copy_out, "layout", ag,
-                         group=g.name)]  # fmt: skip
+            return list(ag[device])
+        return [self.add(f"{g.name}.{tag}.copy_out", COMPUTE, copy_out, "layout", ag[device],
+                         group=g.name, device=device)]  # fmt: skip
 
     # ---- reduce-scatter
-    def reduce_stock(self, g: GroupShape, src: str) -> tuple[str, ...]:
+    def reduce_stock(self, g: GroupShape, src: str, device: int = 0) -> tuple[str, ...]:
         """NCCL's reduce-scatter on the communicator's stream: the ring, or symm_mem's
         symmetric kernel (one node; its divide after it), NCCL's ring across nodes on NCCL
         2.28.9, the hierarchical symmetric kernel on NCCL >= 2.30.7 (its two phases
@@ -312,13 +342,15 @@ class _Builder:
         else:
             ms, kind = ring_ms(b, lay, ring, self.nic) + divide, NCCL
         net = {"link": "nic", "flow": "nccl"} if lay.nodes > 1 else {}
-        return (self.add(f"{g.name}.rs", "nccl", ms, kind, [src], group=g.name, **net),)
+        return (self.add(f"{g.name}.rs", "nccl", ms, kind, [src], group=g.name, device=device,
+                         **net),)  # fmt: skip
 
-    def reduce_tide(self, g: GroupShape, src: str) -> tuple[str, ...]:
-        """TIDE-RS as the code runs it (``plans.Timeline.reduce``)."""
-        works, done = self.timeline.call("reduce", g, (src,))
+    def reduce_tide(self, g: GroupShape, src: dict[int, str]) -> dict[int, tuple[str, ...]]:
+        """TIDE-RS as the code runs it (``plans.Timeline.reduce``), per simulated local
+        rank."""
+        works, done = self.timeline.call("reduce", g, (src[0],))
         self.charge(works)
-        return done
+        return dict(zip(self.devices, done))
 
 
 def build_ops(
@@ -336,72 +368,81 @@ def build_ops(
     tide = tide or TideModel()
     comm = lay.world > 1
     bld = _Builder(inputs, mode, lay, cluster, dtypes, tide, groups)
+    devs = bld.devices
     names = [g.name for g in groups]
     comp = {g.name: inputs.compute.get(g.name, GroupCompute(0.0, 0.0)) for g in groups}
+    Marks = dict[int, tuple[str, ...]]  # per simulated local rank
 
-    def gather(g: GroupShape, tag: str, issued_with: Sequence[str]) -> tuple[str, ...] | None:
+    def gather(g: GroupShape, tag: str, issued_with: dict[int, list[str]]) -> Marks | None:
         return bld.gather(g, tag, issued_with) if comm else None
 
+    def compute(name: str, ms: float, kind: str, after: dict[int, list[str]] | None = None,
+                group: str = "") -> dict[int, str]:  # fmt: skip
+        """The same op on every simulated rank's compute stream (its own after)."""
+        return {d: bld.add(name, COMPUTE, ms, kind, (after or {}).get(d, ()), group=group,
+                           device=d) for d in devs}  # fmt: skip
+
     # forward: group i+1's all-gather is issued as group i's forward starts
-    pending = {groups[0].name: gather(groups[0], "fwd", [])}
+    pending = {groups[0].name: gather(groups[0], "fwd", {d: [] for d in devs})}
     for i, g in enumerate(groups):
-        after = bld.consume(g, pending[g.name], "fwd")
-        fwd = bld.add(f"{g.name}.fwd", COMPUTE, comp[g.name].fwd_ms, "compute", after,
-                      group=g.name)  # fmt: skip
+        after = {d: bld.consume(g, pending[g.name], "fwd", d) for d in devs}
+        fwd = compute(f"{g.name}.fwd", comp[g.name].fwd_ms, "compute", after, g.name)
         if i + 1 < len(groups):
-            pending[names[i + 1]] = gather(groups[i + 1], "fwd", [fwd])
-    bld.add("root.fwd_rest", COMPUTE, inputs.root_fwd_ms, "compute", group="root")
-    loss = bld.add("root.bwd_rest", COMPUTE, inputs.root_bwd_ms, "compute", group="root")
+            pending[names[i + 1]] = gather(groups[i + 1], "fwd", {d: [fwd[d]] for d in devs})
+    compute("root.fwd_rest", inputs.root_fwd_ms, "compute", group="root")
+    loss = compute("root.bwd_rest", inputs.root_bwd_ms, "compute", group="root")
     # backward, reverse order: group j-1's re-gather is issued as group j's backward
     # starts (queued on the stream before j's reduce-scatter); groups kept unsharded
     # after forward wait for their forward gather only
     order = list(reversed(groups))
-    bwd_ag: dict[str, tuple[str, ...] | None] = {g.name: None for g in groups}
+    bwd_ag: dict[str, Marks | None] = {g.name: None for g in groups}
     if order[0].reshard_after_forward:
-        bwd_ag[order[0].name] = gather(order[0], "bwd", [loss])
-    rs_done: list[str] = []
+        bwd_ag[order[0].name] = gather(order[0], "bwd", {d: [loss[d]] for d in devs})
+    rs_done: dict[int, list[str]] = {d: [] for d in devs}
     for k, g in enumerate(order):
-        after = bld.consume(g, bwd_ag[g.name], "bwd") if g.reshard_after_forward else []
-        bwd = bld.add(f"{g.name}.bwd", COMPUTE, comp[g.name].bwd_ms, "compute", after,
-                      group=g.name)  # fmt: skip
+        after = {d: bld.consume(g, bwd_ag[g.name], "bwd", d) if g.reshard_after_forward else []
+                 for d in devs}  # fmt: skip
+        bwd = compute(f"{g.name}.bwd", comp[g.name].bwd_ms, "compute", after, g.name)
         if k + 1 < len(order) and order[k + 1].reshard_after_forward:
-            bwd_ag[order[k + 1].name] = gather(order[k + 1], "bwd", [bwd])
+            bwd_ag[order[k + 1].name] = gather(order[k + 1], "bwd", {d: [bwd[d]] for d in devs})
         if not comm:
             continue
         chunk = inputs.layout_ns.get(mode, {}).get("chunk_cat", 0.0) * g.numel / 1e6
-        src = bld.add(f"{g.name}.chunk_cat", COMPUTE, chunk, "layout", [bwd], group=g.name) \
-            if chunk else bwd  # fmt: skip
+        src = compute(f"{g.name}.chunk_cat", chunk, "layout", {d: [bwd[d]] for d in devs},
+                      g.name) if chunk else bwd  # fmt: skip
         if mode == "tide":
-            rs_done += bld.reduce_tide(g, src)
+            done = bld.reduce_tide(g, src)
         else:
-            rs_done += bld.reduce_stock(g, src)
+            done = {d: bld.reduce_stock(g, src[d], d) for d in devs}
+        for d in devs:
+            rs_done[d] += done[d]
     shard = sum(group_shard_numel(g, lay.world) if comm else g.numel for g in groups)
-    bld.add("optimizer", COMPUTE, inputs.optimizer_ms_per_shard_elem * shard, "optimizer",
-            rs_done)  # fmt: skip
-    bld.add("host", COMPUTE, inputs.host_ms, "host")
+    compute("optimizer", inputs.optimizer_ms_per_shard_elem * shard, "optimizer", rs_done)
+    compute("host", inputs.host_ms, "host")
     return bld.ops
 
 
-def breakdown(spans: Sequence[Span]) -> dict[str, float]:
+def breakdown(spans: Sequence[Span], beside: Sequence[Span] = ()) -> dict[str, float]:
     """The step split into compute (alone), SM time taken from compute, layout copies,
     optimizer, host, and communication the compute stream waited on, in the forward (up
     to the first backward op), the backward (to the last compute op) and the tail (these
     add up to the step); besides, off the compute stream: ``bd_local_copies_ms`` (device
     ms of local HBM copies: TIDE's placement and packing) and ``bd_nic_busy_ms`` (the
-    NIC carrying bytes)."""
-    by_name = {s.op.name: s for s in spans}
-    on_compute = [s for s in spans if s.op.stream == COMPUTE]
+    NIC carrying bytes). ``spans``: one local rank's (``engine.device_spans``); ``beside``:
+    the other ranks', whose communication it may wait for (exposure)."""
+    on_compute = [s for s in spans if base_name(s.op.stream) == COMPUTE]
     work = [s for s in on_compute if s.op.kind == "compute"]
-    backward = by_name.get("root.bwd_rest")
+    backward = next((s for s in on_compute if base_name(s.op.name) == "root.bwd_rest"), None)
     bwd_start = backward.start_ms if backward else 0.0
     last = max((s.end_ms for s in work), default=0.0)
-    idle, comm = idle_and_comm(spans)
+    idle, comm = idle_and_comm(spans, beside)
 
     def exposed(lo: float, hi: float) -> float:
         return intersect_length([(max(a, lo), min(b, hi)) for a, b in idle if b > lo and a < hi],
                                 comm)  # fmt: skip
 
     step = max((s.end_ms for s in spans), default=0.0)
+    nic = [(s.start_ms, s.end_ms) for s in spans if base_name(s.op.link) == "nic"]
     return {
         "bd_compute_ms": sum(s.op.duration_ms for s in work),
         "bd_sm_taken_ms": sum(s.lost_ms for s in work),
@@ -414,18 +455,21 @@ def breakdown(spans: Sequence[Span]) -> dict[str, float]:
         "bd_exposed_bwd_ms": exposed(bwd_start, last),
         "bd_exposed_tail_ms": exposed(last, step),
         "bd_local_copies_ms": sum(s.end_ms - s.start_ms for s in spans if s.op.kind == CE_LOCAL),
-        "bd_nic_busy_ms": sum(
-            b - a for a, b in merge((s.start_ms, s.end_ms) for s in spans if s.op.link == "nic")
-        ),
+        "bd_nic_busy_ms": sum(b - a for a, b in merge(nic)),
     }
 
 
 def simulate_step(
     groups, inputs, mode, lay, cluster, dtypes, tide: TideModel | None = None
 ) -> tuple[dict, list[Span]]:
-    """(summary figures and breakdown, spans) of one simulated step."""
+    """(summary figures and breakdown, spans) of one simulated step: the figures of the
+    local rank that sets the step (``slowest_local_rank``: the one whose compute stream
+    ends last), the spans of every simulated local rank."""
     spans = simulate(build_ops(groups, inputs, mode, lay, cluster, dtypes, tide))
-    return {**summarize(spans), **breakdown(spans)}, spans
+    rank = slowest_device(spans)
+    mine, others = device_spans(spans, rank), other_spans(spans, rank)
+    return {**summarize(mine, others), **breakdown(mine, others),
+            "slowest_local_rank": rank}, spans  # fmt: skip
 
 
 def layout_for(cm: Any, gpus: int, cluster: Cluster) -> Layout:
@@ -455,10 +499,12 @@ def simulate_config(
     cross_node: str | None = None,
     transport: str | None = None,
     workload: Workload | None = None,
+    in_place_groups: int | None = None,
 ) -> dict[str, Any]:
     """Rows (one per mode), spans per mode, the inputs and the config model of ``config``
-    at ``gpus``. ``rs_wire_bytes`` / ``cross_node`` / ``transport``: ``[tide]
-    rs_wire_dtype`` / ``cross_node_transport`` / ``ag_transport`` other than the config's.
+    at ``gpus``. ``rs_wire_bytes`` / ``cross_node`` / ``transport`` / ``in_place_groups``:
+    ``[tide] rs_wire_dtype`` / ``cross_node_transport`` / ``ag_transport`` /
+    ``ag_in_place_groups`` other than the config's.
     Each row carries what the report needs: the cluster's NCCL, what TIDE runs there
     (transport, phase 2, in place), every input's source (``sources``)."""
     from torchtitan_tide.fsdp_groups import load_config_model
@@ -467,7 +513,7 @@ def simulate_config(
     inputs = inputs or build_inputs(cm, results_dir, trace, mfu, world1=gpus == 1,
                                     workload=workload)  # fmt: skip
     lay = layout_for(cm, gpus, cluster)
-    tide = tide_model_of(cm.tide, rs_wire_bytes, cross_node, transport)
+    tide = tide_model_of(cm.tide, rs_wire_bytes, cross_node, transport, in_place_groups)
     rows, spans = [], {}
     for mode in modes:
         fig, sp = simulate_step(cm.groups, inputs, mode, lay, cluster, cm.dtypes, tide)

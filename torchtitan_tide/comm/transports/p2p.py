@@ -1,7 +1,7 @@
 """Point-to-point transport: the plan's exchanges as ``dist.batch_isend_irecv``.
 
 The same code runs on gloo (CPU tests) and NCCL (GPU, cross-node). Every
-message is one :class:`~torchtitan_tide.comm.plan.Chunk`: a contiguous byte
+message is one :class:`~torchtitan_tide.comm.plans.plan.Chunk`: a contiguous byte
 range of one parameter's unsharded storage, sent from the sender's storage and
 received straight into the receiver's storage at the same offset (no staging
 buffer). Messages are byte views (``uint8``) so any dtype goes over gloo.
