@@ -166,13 +166,17 @@ class Replay:
             for start, nbytes, tag in op.rows:
                 self._write(rank, start, nbytes, tag, key, what)
         elif isinstance(op, Put):
-            piece = op.nbytes // len(op.tags)
-            if piece * len(op.tags) != op.nbytes:
-                raise ReplayError(f"{what}: {op.nbytes} B is no whole number of pieces")
-            for i, tag in enumerate(op.tags):
-                self._read(rank, op.src + i * piece, piece, tag, key, what + " (source)")
-            for i, tag in enumerate(op.tags):
-                self._write(op.peer, op.dst + i * piece, piece, tag, key, what + f" into rank {op.peer}")
+            sizes = op.piece_bytes or (op.nbytes // len(op.tags),) * len(op.tags)
+            if sum(sizes) != op.nbytes or len(sizes) != len(op.tags):
+                raise ReplayError(f"{what}: {op.nbytes} B is not its pieces {sizes}")
+            at = 0
+            for size, tag in zip(sizes, op.tags):
+                self._read(rank, op.src + at, size, tag, key, what + " (source)")
+                at += size
+            at = 0
+            for size, tag in zip(sizes, op.tags):
+                self._write(op.peer, op.dst + at, size, tag, key, what + f" into rank {op.peer}")
+                at += size
             self.sent[(rank, op.peer, op.comm)].append(dict(self.vc[key]))
         elif isinstance(op, Signal):
             self.sent[(rank, op.peer, op.comm)].append(dict(self.vc[key]))

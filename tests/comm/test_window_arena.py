@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 from _window_replay import Replay, ReplayError
 
+from torchtitan_tide.comm.plans import window_rounds
 from torchtitan_tide.comm.plans.plan import (
     ParamSpec,
     WorldLayout,
@@ -23,6 +24,7 @@ from torchtitan_tide.comm.plans.plan import (
 )
 from torchtitan_tide.comm.plans.window_arena import ARENA_ALIGN, WindowArena, aligned
 from torchtitan_tide.comm.plans.window_rounds import (
+    SEGMENT_ALIGN,
     Fork,
     PackOwn,
     Place,
@@ -208,9 +210,17 @@ def test_in_place_rounds_replay_without_race_or_deadlock(nodes):
             assert Replay(programs, nbytes).run(all_waited=False) > 0
 
 
+@pytest.fixture(params=[2, 256], ids=["cut-anywhere", "cut-256"])
+def segment_align(request, monkeypatch):
+    """Cuts between local indices every 2 bytes (inside these small shards: ranges that end
+    mid-shard) or at the transport's 256 (here mostly at block edges)."""
+    monkeypatch.setattr(window_rounds, "SEGMENT_ALIGN", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("nodes", [2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("lws", [2, 4])
-def test_in_place_at_n_by_l_replays_with_placement_and_reduces(nodes, lws):
+def test_in_place_at_n_by_l_replays_with_placement_and_reduces(nodes, lws, segment_align):
     """In place at N x L, mixed with the placement path (an arena of 1 or 2 groups runs full
     whenever more are unsharded) and TIDE-RS rounds on the same window, paced and not."""
     for arena_groups, prefetch, pacing in ((1, True, 0), (2, False, 1), (4, True, 2)):
@@ -231,7 +241,7 @@ def _in_place_round(layout: WorldLayout, rank: int, pacing: int, shards: list[in
 
 
 @pytest.mark.parametrize("lws", [1, 2, 4, 8])
-def test_puts_and_waits_match_for_every_pair(lws):
+def test_puts_and_waits_match_for_every_pair(lws, segment_align):
     """Per all-gather, what each rank waits for from a peer is what that peer puts to it, and
     every rank receives every other rank's shard of every parameter exactly once; node-local
     signals go on ``fan``, cross-node ones on ``put``."""
@@ -246,14 +256,17 @@ def test_puts_and_waits_match_for_every_pair(lws):
                         waits[(op.peer, rank)] = waits.get((op.peer, rank), 0) + op.count
                     elif isinstance(op, Put):
                         puts[(rank, op.peer)] = puts.get((rank, op.peer), 0) + 1
-                        received.setdefault(op.peer, []).extend(op.tags)
+                        got = received.setdefault(op.peer, {})
+                        sizes = op.piece_bytes or (op.nbytes // len(op.tags),) * len(op.tags)
+                        for tag, size in zip(op.tags, sizes):  # a cut range: parts of shards
+                            got[tag] = got.get(tag, 0) + size
                         same_node = layout.node_of(op.peer) == layout.node_of(rank)
                         assert op.stream == ("fan" if same_node else "put"), op
             assert puts == waits, (nodes, lws, pacing)
             for rank in range(layout.world_size):
-                expected = sorted(("ag", 0, r, i) for r in range(layout.world_size) if r != rank
-                                  for i in range(len(shards)))  # fmt: skip
-                assert sorted(received[rank]) == expected, (nodes, lws, rank)
+                expected = {("ag", 0, r, i): ITEMSIZE * s for r in range(layout.world_size)
+                            if r != rank for i, s in enumerate(shards)}  # fmt: skip
+                assert received[rank] == expected, (nodes, lws, rank)
 
 
 def test_copy_engine_operations_grow_with_parameters_times_peers():
@@ -276,19 +289,24 @@ def test_copy_engine_operations_grow_with_parameters_times_peers():
             assert puts < params * (layout.world_size - 1), (nodes, lws, puts)
 
 
-def test_cross_node_segments_balance_bytes_at_shard_boundaries():
-    """Every shard of every node block belongs to exactly one local index, in contiguous runs;
-    the bytes each moves differ by at most one shard of the largest parameter."""
-    for shard_bytes in ((100, 7, 7, 300, 2), (64,) * 9, (5,), (10, 0, 10)):
+def test_cross_node_segments_balance_bytes():
+    """Every byte of every node block belongs to exactly one local index, in one contiguous
+    range per parameter; the bytes each moves differ by at most one cut's alignment per cut
+    (a cut at shard boundaries left Qwen3's expert shards 1.29x the mean); a parameter
+    owned whole is one range."""
+    for shard_bytes in ((100, 8, 8, 300, 2), (64,) * 9, (6,), (10, 0, 10),
+                        (6 << 20, 6 << 20, 1 << 10, 96)):  # fmt: skip
         for lws in (1, 2, 3, 4, 8):
             segments = cross_node_segments(shard_bytes, lws)
-            covered = sorted((i, a) for runs in segments for i, first, end in runs
-                             for a in range(first, end))  # fmt: skip
-            assert covered == [(i, a) for i, n in enumerate(shard_bytes) if n
-                               for a in range(lws)], (shard_bytes, lws)  # fmt: skip
-            loads = [sum((end - first) * shard_bytes[i] for i, first, end in runs)
-                     for runs in segments]  # fmt: skip
-            assert max(loads) - min(loads) <= 2 * max(shard_bytes), (shard_bytes, lws, loads)
+            for i, n in enumerate(shard_bytes):
+                ranges = sorted((a, b) for runs in segments for j, a, b in runs if j == i)
+                covered = [b for a, b in ranges]
+                assert [a for a, _ in ranges] == [0, *covered[:-1]] if n else not ranges, (
+                    shard_bytes, lws, i, ranges)  # fmt: skip
+                assert not n or covered[-1] == lws * n
+            loads = [sum(b - a for _, a, b in runs) for runs in segments]
+            assert max(loads) - min(loads) <= 2 * SEGMENT_ALIGN, (shard_bytes, lws, loads)
+            assert all(len({i for i, _, _ in runs}) == len(runs) for runs in segments)
 
 
 def test_replay_finds_missing_credits():

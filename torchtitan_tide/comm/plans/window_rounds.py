@@ -67,6 +67,7 @@ from .plan import GroupPlan, PackedEntry, RSRound, RSSlice, WorldLayout, entry_r
 
 __all__ = [
     "RS_PIECE_BYTES",
+    "SEGMENT_ALIGN",
     "Accumulate",
     "Fork",
     "Op",
@@ -205,8 +206,8 @@ class PackSlices:
 @dataclass(frozen=True)
 class Put:
     """``nbytes`` from own byte ``src`` into ``peer``'s window at ``dst``, then one signal
-    to ``peer`` (group ranks). ``tags``: what the bytes hold, one tag per equal piece
-    (an entry, a row)."""
+    to ``peer`` (group ranks). ``tags``: what the bytes hold, one tag per piece (an entry, a
+    row, a shard or part of one); ``piece_bytes``: each piece's bytes (empty: equal pieces)."""
 
     stream: str
     src: int
@@ -215,6 +216,7 @@ class Put:
     dst: int
     tags: tuple[tuple, ...]
     comm: str = "slots"
+    piece_bytes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -371,44 +373,57 @@ def ag_round_ops(
     return ops
 
 
+SEGMENT_ALIGN = 256  # bytes: where a node block is cut between two local indices
+
+
 def cross_node_segments(shard_bytes: tuple[int, ...], lws: int) -> list[tuple[tuple[int, int, int], ...]]:
-    """Which shards of a node block each local index moves across nodes in place: per local
-    index ``l``, ``(parameter, first shard, end shard)`` runs (shards ``[a, b)`` of the
-    parameter's node block, ``0 <= a < b <= lws``). The node blocks of the group's
-    parameters, laid end to end, are cut into ``lws`` runs of about equal bytes at shard
-    boundaries (a shard goes to the index its middle byte falls in): balanced NIC bytes per
-    rank, and a parameter a rank owns whole is ONE contiguous range across any run of nodes
-    (FSDP2's layout: the ranks of a node, and of consecutive nodes, are consecutive), so
-    its cross-node puts and its forwards are one each per run of nodes."""
-    total = sum(lws * n for n in shard_bytes)
+    """Which bytes of the node blocks each local index moves across nodes in place: per local
+    index ``l``, ``(parameter, first byte, end byte)`` ranges of the parameter's node block
+    (its ``lws`` consecutive shards, ``lws * shard_bytes[i]`` bytes). The node blocks of the
+    group's parameters, laid end to end, are cut into ``lws`` runs of equal bytes (each cut
+    moved down to a multiple of :data:`SEGMENT_ALIGN` inside its block): balanced NIC bytes
+    per rank whatever the shard sizes (a cut at shard boundaries left one local index with
+    1.29x the mean for Qwen3's expert shards), and a parameter a rank owns whole is ONE
+    contiguous range across any run of nodes (FSDP2's layout: the ranks of a node, and of
+    consecutive nodes, are consecutive), so its cross-node puts and its forwards are one each
+    per run of nodes; at most two cut parameters per rank take one range per node."""
+    blocks = [lws * n for n in shard_bytes]
+    total = sum(blocks)
     owned: list[list[tuple[int, int, int]]] = [[] for _ in range(lws)]
-    if total == 0:
-        return [tuple(o) for o in owned]
-    cum = 0
-    for i, n in enumerate(shard_bytes):
-        for a in range(lws if n else 0):
-            owner = min(lws - 1, (2 * cum + n) * lws // (2 * total))
-            runs = owned[owner]
-            if runs and runs[-1][0] == i and runs[-1][2] == a:
-                runs[-1] = (i, runs[-1][1], a + 1)
-            else:
-                runs.append((i, a, a + 1))
-            cum += n
+    starts, cum = [], 0
+    for block in blocks:
+        starts.append(cum)
+        cum += block
+    # the global cut of local index k (k = 1 .. lws - 1), aligned inside the block it falls in
+    cuts = [0]
+    for k in range(1, lws):
+        at = k * total // lws
+        i = max((j for j, b in enumerate(blocks) if b and starts[j] <= at), default=0)
+        inside = min(at - starts[i], blocks[i]) // SEGMENT_ALIGN * SEGMENT_ALIGN
+        cuts.append(max(cuts[-1], starts[i] + inside))
+    cuts.append(total)
+    for i, block in enumerate(blocks):
+        for index in range(lws):
+            first = max(cuts[index], starts[i]) - starts[i]
+            end = min(cuts[index + 1], starts[i] + block) - starts[i]
+            if first < end:
+                owned[index].append((i, first, end))
     return [tuple(o) for o in owned]
 
 
 def _block_pieces(segments: tuple[tuple[int, int, int], ...], node_runs: list[tuple[int, int]],
-                  lws: int) -> list[tuple[int, int, int]]:  # fmt: skip
-    """The contiguous ranges of ``segments`` over ``node_runs`` as ``(parameter, first shard,
-    shard count)`` in the parameter's storage: a whole node block (``0, lws``) over a run of
-    nodes is one range, a part of it one range per node."""
+                  block_bytes: tuple[int, ...]) -> list[tuple[int, int, int]]:  # fmt: skip
+    """The contiguous ranges of ``segments`` over ``node_runs`` as ``(parameter, first byte,
+    bytes)`` in the parameter's storage: a whole node block over a run of nodes is one range,
+    a part of it one range per node."""
     pieces = []
     for i, a, b in segments:
+        block = block_bytes[i]
         for first, count in node_runs:
-            if (a, b) == (0, lws):
-                pieces.append((i, first * lws, count * lws))
+            if (a, b) == (0, block):
+                pieces.append((i, first * block, count * block))
             else:
-                pieces += [(i, m * lws + a, b - a) for m in range(first, first + count)]
+                pieces += [(i, m * block + a, b - a) for m in range(first, first + count)]
     return pieces
 
 
@@ -457,12 +472,21 @@ def ag_in_place_ops(
     seen = dict(credits_seen)
     live = tuple(i for i, n in enumerate(shard_bytes) if n)
     segments = cross_node_segments(shard_bytes, lws)
+    block_bytes = tuple(lws * n for n in shard_bytes)
     local_peers = [layout.rank_of(node, lp) for lp in range(lws) if lp != local]
 
-    def put(stream: str, peer: int, i: int, first: int, count: int) -> Put:
-        at = start + param_offsets[i] + first * shard_bytes[i]
-        return Put(stream, at, count * shard_bytes[i], peer, at,
-                   tuple(("ag", ag_index, r, i) for r in range(first, first + count)))  # fmt: skip
+    def put(stream: str, peer: int, i: int, first: int, nbytes: int) -> Put:
+        """A put of bytes ``[first, first + nbytes)`` of parameter ``i``, tagged per shard it
+        covers (a cut range covers parts of shards: ``piece_bytes``)."""
+        at = start + param_offsets[i] + first
+        tags, pieces, byte = [], [], first
+        while byte < first + nbytes:
+            shard = byte // shard_bytes[i]
+            end = min((shard + 1) * shard_bytes[i], first + nbytes)
+            tags.append(("ag", ag_index, shard, i))
+            pieces.append(end - byte)
+            byte = end
+        return Put(stream, at, nbytes, peer, at, tuple(tags), piece_bytes=tuple(pieces))
 
     def credited(stream: str, peer: int) -> list[Op]:
         if credit <= seen.get(peer, 0):
@@ -476,7 +500,7 @@ def ag_in_place_ops(
         ops.append(Fork(MAIN, FAN))
     for peer in local_peers:  # 1. the own shards to the node
         ops += credited(FAN, peer)
-        ops += [put(FAN, peer, i, rank, 1) for i in live]
+        ops += [put(FAN, peer, i, rank * shard_bytes[i], shard_bytes[i]) for i in live]
     if live:  # the node block must be whole before its shards cross nodes
         ops += [Wait(PUT, peer, len(live)) for peer in local_peers]
     forwarded = {lp: 0 for lp in range(lws) if lp != local}  # puts each local index forwards
@@ -485,12 +509,12 @@ def ag_in_place_ops(
             raise ValueError("the window all-gather takes a plan of cross-node exchanges only")
         send_runs = entry_runs([layout.node_of(r) for r in ex.send_ranks])
         recv_runs = entry_runs([layout.node_of(r) for r in ex.recv_ranks])
-        sends = _paced(_block_pieces(segments[local], send_runs, lws), pacing)
-        recvs = _paced(_block_pieces(segments[local], recv_runs, lws), pacing)
+        sends = _paced(_block_pieces(segments[local], send_runs, block_bytes), pacing)
+        recvs = _paced(_block_pieces(segments[local], recv_runs, block_bytes), pacing)
         if ex.send_peer != ex.recv_peer and len(sends) != len(recvs):
             raise AssertionError("direct exchange: send and receive waves differ")
         for lp in forwarded:
-            forwarded[lp] += len(_block_pieces(segments[lp], recv_runs, lws))
+            forwarded[lp] += len(_block_pieces(segments[lp], recv_runs, block_bytes))
         for wave in range(max(len(sends), len(recvs))):
             if wave < len(sends):
                 ops += credited(PUT, ex.send_peer)
