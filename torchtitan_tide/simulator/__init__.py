@@ -12,7 +12,7 @@ Modules, each importing only those before it: ``cluster`` (node shape, NIC, NCCL
 generation), ``engine`` (ops on streams, interference rates, shared links), ``network``
 (alpha-beta, NIC, NV18, NCCL channels), ``results`` (the committed results),
 ``interference`` (both directions per engine and compute class), ``plans`` (TIDE's op
-plans as the code runs them: ``comm/window_rounds.py``, ``comm/plan.py``), ``compute``
+plans as the code runs them: ``comm/plans/window_rounds.py``, ``comm/plans/plan.py``), ``compute``
 (attention, activation checkpointing), ``inputs`` (every measured figure and its source),
 ``step`` (the step model of each mode; TIDE's ops charged by type), ``report``
 (validation, headline with ceilings, 64-GPU comparison with breakdown, sensitivity,

@@ -1,5 +1,5 @@
 """TIDE's collectives as the code runs them, for the step simulator: the op plans of
-``comm/window_rounds.py`` and the plans of ``comm/plan.py``, turned into work on streams
+``comm/plans/window_rounds.py`` and the plans of ``comm/plans/plan.py``, turned into work on streams
 and links for the local ranks of node 0 of a layout ``N nodes x L``
 (docs/design/2026-12-07-simulator.md).
 
@@ -24,7 +24,7 @@ any other type   a :class:`~torchtitan_tide.simulator.results.SimulateError`
 ===============  ========================================================================
 
 Streams: an op's stream (``window_rounds.MAIN``, ``PUT``, ``FAN``, ``PLACE``, ``RING``)
-maps to the CUDA stream the transport runs it on (:data:`AG_STREAMS`; ``comm/streams.py``:
+maps to the CUDA stream the transport runs it on (:data:`AG_STREAMS`; ``comm/base/streams.py``:
 ``main`` is TIDE's stream or the caller's, TIDE-RS phase 2's ring runs on
 ``tide_rs_cross``, with which ``run_beside`` keeps its side stream in order); a stream the
 plan adds later gets a stream of its own (``tide_<name>``), so a plan that moves work to a
@@ -46,9 +46,9 @@ in-place all-gather's credits (``ag_credit`` waits before reusing an arena range
 modeled: every all-gather finds its range free.
 
 Where NCCL windows do not run (NCCL < 2.29, or ``cross_node_transport = "p2p"``), the code
-runs ``transport/copy_engine.py`` (node-local pulls from symmetric memory after a serial
-send/recv cross-node phase) or ``transport/p2p.py`` (one rank per node): those transports
-run the plans of ``comm/plan.py`` (``GroupPlan.exchanges``, ``build_rs_plan``) without an op
+runs ``comm/transports/copy_engine.py`` (node-local pulls from symmetric memory after a serial
+send/recv cross-node phase) or ``comm/transports/p2p.py`` (one rank per node): those transports
+run the plans of ``comm/plans/plan.py`` (``GroupPlan.exchanges``, ``build_rs_plan``) without an op
 list, and :class:`Timeline` runs their protocol step by step as the transport does, in
 the same order, serial where the code is serial, for local rank 0 (the ranks are alike).
 """
@@ -88,8 +88,8 @@ __all__ = [
     "in_place_at",
 ]
 
-# CUDA streams of TIDE (comm/streams.py) by the op streams of window_rounds the transports
-# run them on (transport/windows.py's _STREAMS, transport/one_sided.py's AG_PUT_STREAM and
+# CUDA streams of TIDE (comm/base/streams.py) by the op streams of window_rounds the transports
+# run them on (comm/transports/windows/transport.py's _STREAMS, windows/ring.py's AG_PUT_STREAM and
 # phase 2's tide_rs_cross: torch modules, so named here; tests/bench/test_simulate_findings.py
 # checks they agree), and those of the NCCL communicator TIDE's send/recv use
 AG_STREAMS = {wr.MAIN: "tide", wr.PUT: "tide_one_sided", wr.FAN: "tide_fan",

@@ -15,11 +15,11 @@ link (one NIC per GPU, NVLink, HBM for local copies). FSDP2's copy-out and chunk
 on the compute stream (layout kernels, slowed beside the engines as compute is).
 
 TIDE is not modeled by hand: ``plans.Timeline`` runs the op plans the code runs
-(``comm/window_rounds.py`` on NCCL windows; the plans of ``comm/plan.py`` as the copy-engine
-and send/recv transports run them) for the layout, and each op is charged here by what
+(``comm/plans/window_rounds.py`` on NCCL windows; the plans of ``comm/plans/plan.py`` as the
+copy-engine and send/recv transports run them) for the layout, and each op is charged here by what
 it is (:meth:`_Builder.charge`). Which transport runs is what ``[tide] ag_transport`` and
 ``cross_node_transport`` take on the cluster's NCCL (:func:`tide_run`, ``auto`` as
-``comm/topology.choose_transport`` decides it). Where the local ranks of a node run
+``comm/plans/topology.choose_transport`` decides it). Where the local ranks of a node run
 different plans (in place at ``N x L``), the step is built for each of them
 (``Timeline.classes``): every rank its own compute stream and its own GPU's links, each
 rank's work after its own compute; the figures are those of the rank whose step ends
@@ -90,7 +90,8 @@ from torchtitan_tide.simulator.plans import (
 
 __all__ = ["Layout", "TideModel", "build_ops", "simulate_config", "simulate_step", "tide_run"]
 
-WINDOWS_NCCL = (2, 29, 0)  # one-sided puts and host RMA (comm/window_setup.py's probe)
+# one-sided puts and host RMA (comm/transports/windows/connect.py's probe)
+WINDOWS_NCCL = (2, 29, 0)
 SM_AG_PATH = {"fsdp2": f"{SM_AG}:fsdp2", "symm_mem": f"{SM_AG}:symm_mem"}
 
 
