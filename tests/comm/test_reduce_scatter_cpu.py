@@ -291,7 +291,7 @@ def _numerics_worker(
             assert (err <= bound + 1e-30).all(), (name, err.max().item())
     assert state.calls == 2
     first = [m for m in records if "first reduce" in m]
-    assert len(first) == 1 and f"{grad_dtype} (" in first[0], records  # read as set, one run
+    assert len(first) == 1 and f"{grad_dtype} gradients" in first[0], records  # one run
     # FSDP2's reduce dtype as each torch defines it: bf16 for an explicit bf16; unset is
     # param_dtype (bf16) on torch <= 2.14 and the fp32 grad_dtype on 2.15
     bf16_reduce = [m for m in records if "reduce dtype resolves to bf16" in m]
@@ -434,6 +434,20 @@ def _buffer_worker(rank: int, world: int, result) -> None:
     tide_bytes = rs.transport.staging.numel() + sum(p.numel() * 4 for p in rs.buffers.partials)
     if rank == 0:
         result[world] = (stock_bytes, tide_bytes)
+
+
+def test_first_reduce_line_names_one_dtype_plainly_and_each_run_when_mixed():
+    """The first-reduce log: "torch.float32 gradients" for one dtype (what launch logs are
+    grepped for), "torch.bfloat16 (6) + torch.float32 (2)" when torch 2.15 mixes them."""
+    from types import SimpleNamespace
+
+    from torchtitan_tide.comm.fsdp.reduce_scatter import _dtypes_text
+
+    grads = [torch.zeros(4, dtype=torch.bfloat16), torch.zeros(2), torch.zeros(3)]
+    run = lambda index, shard_numel: (index, 0, 0, SimpleNamespace(shard_numel=shard_numel))  # noqa: E731
+    assert _dtypes_text(grads, [run(1, 2), run(2, 3)]) == "torch.float32"
+    assert _dtypes_text(grads, [run(0, 6), run(1, 2)]) == "torch.bfloat16 (6) + torch.float32 (2)"
+    assert _dtypes_text(grads, []) is None
 
 
 def test_rs_buffer_flat_in_world_size():

@@ -207,12 +207,13 @@ def test_ring_window_does_not_grow_with_nodes():
 def _ag_then_reduce_programs(nodes: int, lws: int, yield_to_ag: bool):
     """Every rank's host order of a backward: an in-place all-gather (the next layer's
     prefetch) issued, then the current layer's phase-2 steps (partials of 3 pieces)."""
+    from torchtitan_tide.comm.plans.window_arena import aligned
     from torchtitan_tide.comm.plans.window_rounds import Put, ag_in_place_ops
 
     layout = WorldLayout(nodes * lws, lws)
-    shards = [8, 4]
+    shards = [512, 256]  # every local index moves bytes across nodes (256-byte cuts)
     shard_bytes = tuple(ITEMSIZE * s for s in shards)
-    offsets = (0, 256)
+    offsets = (0, aligned(layout.world_size * shard_bytes[0]))
     rl = ring_layout(2, 64, wire=False)
     base = 1024  # the arena after the ring's regions
     programs = []
@@ -231,7 +232,7 @@ def _ag_then_reduce_programs(nodes: int, lws: int, yield_to_ag: bool):
                 step = [op for op in step if not (isinstance(op, Fork) and op.src == "put")]
             ops += step + [Fork("ring", "rs")]
         programs.append(ops)
-    return programs, base + 512 + layout.world_size * 16, Put
+    return programs, base + offsets[1] + layout.world_size * shard_bytes[1], Put
 
 
 @pytest.mark.parametrize("nodes,lws", [(2, 1), (4, 1), (2, 2), (3, 2), (4, 4)])

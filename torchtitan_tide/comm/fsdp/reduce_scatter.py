@@ -489,6 +489,15 @@ def _cross_node_step(
             state.buffers.partial_free[partial_slot] = cross.record_event()
 
 
+def _dtypes_text(grads: list[torch.Tensor], runs: list) -> str | None:
+    """The gradients' dtype as the first-reduce line prints it: one dtype by name, runs of
+    several (torch 2.15: fp32 norm gradients beside bf16 ones) with their shard elements."""
+    dtypes = {grads[a].dtype for a, _, _, _ in runs}
+    if len(dtypes) <= 1:
+        return str(dtypes.pop()) if dtypes else None
+    return " + ".join(f"{grads[a].dtype} ({p.shard_numel})" for a, _, _, p in runs)
+
+
 @torch.no_grad()
 def tide_reduce(
     state: TideRSState,
@@ -549,7 +558,7 @@ def tide_reduce(
             "TIDE-RS %s: first reduce, %d params, %d elements per shard, %s gradients, "
             "%s, accumulate: %s%s",
             state.fqn, len(grads), shard_numel,
-            " + ".join(f"{grads[a].dtype} ({p.shard_numel})" for a, _, _, p in runs) or None,
+            _dtypes_text(grads, runs),
             layout.shape, kernels.triton_status() if cuda else "torch",
             "" if num_nodes == 1 else
             f", cross-node {state.cross_node.name if state.cross_node else None}, "
