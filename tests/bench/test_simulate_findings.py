@@ -316,6 +316,70 @@ def test_auto_takes_what_the_codes_topology_takes():
         sim.tide_run(sim.TideModel(cross_node_transport="nccl_one_sided"), OLD, LAY, dtypes)
 
 
+def test_in_place_all_gather_is_paced_as_the_transport_paces_it(monkeypatch):
+    """``[tide] ag_pacing`` bounds the puts in flight of an in-place all-gather as it does
+    on the placement path: the simulator passes it to ``ag_in_place_ops`` as
+    ``WindowTransport._gather_in_place`` does (its op list has one wait per wave)."""
+    from torchtitan_tide.comm.plans.plan import WorldLayout
+    from torchtitan_tide.simulator import plans
+
+    cm = _cm("llama70b_tide")
+    group = cm.groups[1]
+    seen = []
+    original = wr.ag_in_place_ops
+
+    def recorded(plan, *args):
+        ops, credits = original(plan, *args)
+        seen.append((plan, args, ops))
+        return ops, credits
+
+    monkeypatch.setattr(wr, "ag_in_place_ops", recorded)
+    waits = {}
+    for pacing in (0, 2):
+        seen.clear()
+        model = replace(sim.tide_model_of(cm.tide), ag_pacing=pacing)
+        run = sim.tide_run(model, NEW, sim.Layout(16, 2), cm.dtypes)
+        timeline = plans.Timeline(WorldLayout(16, 2), run, cm.groups[:2])
+        timeline.all_gather(group, "fwd", ())
+        expected = _in_place_args(timeline, group)
+        # this group's calls (not in_place_at's probe)
+        calls = [c for c in seen if c[1][1] == expected[1]]
+        assert calls, "the in-place plan did not run"
+        plan, args, ops = calls[0]
+        assert args[-1] == pacing  # the transport's own argument
+        want = original(plan, *expected[:-1], 0, pacing)[0]
+        assert ops == want
+        waits[pacing] = sum(isinstance(op, wr.Wait) for op in ops)
+    assert waits[2] > waits[0], waits  # pacing adds a wait per wave
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_send_recv_transport_exchanges_the_node_local_shards_on_nvlink(nodes):
+    """``ag_transport = "nccl_p2p"`` at L = 2 (forced: ``auto`` takes the copy engine in a
+    node): its plan has the node-local exchanges (install builds it without
+    ``pull_local``), charged on NVLink, the cross-node ones on the NIC; TIDE-RS phase 1's
+    send/recv goes to the node's ranks, on NVLink."""
+    from torchtitan_tide.comm.plans.plan import WorldLayout
+    from torchtitan_tide.simulator import plans
+
+    cm = _cm("llama70b_tide")
+    group = cm.groups[1]
+    lay = sim.Layout(2 * nodes, 2)
+    run = sim.tide_run(sim.TideModel(ag_transport="nccl_p2p"), NEW, lay, cm.dtypes)
+    assert run.transport == "p2p"
+    timeline = plans.Timeline(WorldLayout(2 * nodes, 2), run, cm.groups[:2])
+    gathered, _ = timeline.all_gather(group, "fwd", ())
+    links = [w.link for w in gathered if w.what == "SendRecv"]
+    shard_bytes = group_shard_numel(group, 2 * nodes) * 2
+    assert links.count(plans.NVLINK) >= 1  # the local peer's shards
+    assert links.count(plans.NIC_LINK) == (1 if nodes == 2 else 0)
+    local = [w for w in gathered if w.what == "SendRecv" and w.link == plans.NVLINK]
+    assert sum(w.nbytes for w in local) == pytest.approx(nodes * shard_bytes)  # L - 1 = 1 peer
+    reduced, _ = timeline.reduce(group, ("bwd",))
+    phase1 = [w for w in reduced if w.what == "SendRecv" and ".c0" in w.name]
+    assert phase1 and all(w.link == plans.NVLINK for w in phase1)
+
+
 def test_waits_take_the_slowest_ranks_view(monkeypatch):
     """A wait ends when every rank of its local index would have its matching signal: at
     1 x 8 (placement path: the ranks alike, local rank 0 stands for all) the placement of a

@@ -365,7 +365,9 @@ def _hsdp_worker(rank: int, world: int) -> None:
         chunk = -(-total[name].shape[0] // shards)
         rows = local.shape[0]
         ref = total[name][shard_rank * chunk : shard_rank * chunk + rows]
-        bound = (world + 4) * EPS32 * magnitude[name][shard_rank * chunk : shard_rank * chunk + rows]
+        bound = (
+            (world + 4) * EPS32 * magnitude[name][shard_rank * chunk : shard_rank * chunk + rows]
+        )
         assert not torch.isnan(local).any(), name
         err = (local.double() - ref).abs()
         assert (err <= bound + 1e-30).all(), (name, err.max().item())
@@ -444,7 +446,7 @@ def test_first_reduce_line_names_one_dtype_plainly_and_each_run_when_mixed():
     from torchtitan_tide.comm.fsdp.reduce_scatter import _dtypes_text
 
     grads = [torch.zeros(4, dtype=torch.bfloat16), torch.zeros(2), torch.zeros(3)]
-    run = lambda index, shard_numel: (index, 0, 0, SimpleNamespace(shard_numel=shard_numel))  # noqa: E731
+    run = lambda index, shard_numel: (index, 0, 0, SimpleNamespace(shard_numel=shard_numel))
     assert _dtypes_text(grads, [run(1, 2), run(2, 3)]) == "torch.float32"
     assert _dtypes_text(grads, [run(0, 6), run(1, 2)]) == "torch.bfloat16 (6) + torch.float32 (2)"
     assert _dtypes_text(grads, []) is None

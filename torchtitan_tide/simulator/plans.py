@@ -322,8 +322,11 @@ class Timeline:
     def _plan(self, group: GroupShape, rank: int) -> GroupPlan:
         key = (group.param_shapes, rank)
         if key not in self._plans:
+            # as install_groups builds it: send/recv exchanges the node-local shards too
+            pull_local = self.run.transport in ("copy_engine", "windows")
             self._plans[key] = build_group_plan(_specs(group, self.world), self.layout, rank,
-                                                pull_local=True, pacing=self.run.model.ag_pacing)  # fmt: skip
+                                                pull_local=pull_local,
+                                                pacing=self.run.model.ag_pacing)  # fmt: skip
         return self._plans[key]
 
     def _packing(self, group: GroupShape):
@@ -558,7 +561,7 @@ class Timeline:
 
             def ops_of(q: int) -> list:
                 return wr.ag_in_place_ops(self._plan(group, q), tuple(offsets), shard_bytes, 0,
-                                          0, {}, index)[0]  # fmt: skip
+                                          0, {}, index, self.run.model.ag_pacing)[0]  # fmt: skip
 
             self._call("ag_in_place", ops_of, ctx)
             return
@@ -573,11 +576,13 @@ class Timeline:
 
         self._call("ag_round", ops_of, ctx)
 
-    def _exchange(self, prefix: str, stream: str, nbytes: float, group: str) -> None:
+    def _exchange(self, prefix: str, stream: str, nbytes: float, group: str,
+                  link: str = NIC_LINK) -> None:  # fmt: skip
         """One NCCL send/recv exchange of local rank 0 (``batch_isend_irecv`` on the
         group's communicator: its kernel on the communicator's stream after ``stream``;
-        ``stream`` waits for it, as ``Work.wait`` makes the current stream wait)."""
-        self._add(Work(f"{prefix}_sendrecv", NCCL_P2P, "SendRecv", NCCL, NIC_LINK, nbytes,
+        ``stream`` waits for it, as ``Work.wait`` makes the current stream wait); ``link``:
+        the NIC across nodes, NVLink between ranks of a node."""
+        self._add(Work(f"{prefix}_sendrecv", NCCL_P2P, "SendRecv", NCCL, link, nbytes,
                        nbytes, "nccl", after=self.marker(stream), group=group))  # fmt: skip
         self.wait_on(stream, self.marker(NCCL_P2P))
 
@@ -598,15 +603,16 @@ class Timeline:
 
     def _p2p_gather(self, group: GroupShape, prefix: str) -> None:
         """``P2PTransport.gather``: the own shard cast into its storage, then every wave of
-        every exchange of the plan sent straight from and into parameter storage, each wave
-        waited before the next."""
+        every exchange of the plan (across nodes, then in the node) sent straight from and
+        into parameter storage, each wave waited before the next."""
         plan = self._plan(group, 0)
         self._add(Work(f"{prefix}_cast", TIDE, "Cast", SM_AG, nbytes=self._shard_bytes(group),
                        group=group.name))  # fmt: skip
         for i, ex in enumerate(plan.exchanges):
             for w, wave in enumerate(ex.send_waves):
                 sent = sum(c.numel for c in wave) * self.run.param_bytes
-                self._exchange(f"{prefix}_x{i}w{w}", TIDE, sent, group.name)
+                link = NVLINK if ex.phase == "node_local" else NIC_LINK
+                self._exchange(f"{prefix}_x{i}w{w}", TIDE, sent, group.name, link)
 
     # ------------------------------------------------------------ TIDE-RS
 
@@ -667,8 +673,8 @@ class Timeline:
             if own:
                 self._add(Work(f"{prefix}_own", comm, "Copy", CE_LOCAL, HBM, own, own, comm,
                                group=group.name))  # fmt: skip
-            if remote:
-                self._exchange(prefix, comm, remote, group.name)
+            if remote:  # phase 1's peers are the node's ranks
+                self._exchange(prefix, comm, remote, group.name, NVLINK)
         rows = len(rnd.recvs)
         self._add(Work(f"{prefix}_acc", comm, "Accumulate", SM_RS,
                        nbytes=rows * shard * run.grad_bytes + target * shard,
