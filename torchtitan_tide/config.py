@@ -112,7 +112,7 @@ class Tide:
     kernel (1 CTA spinning on an SM while it waits)."""
 
     ag_in_place_groups: int = _DEFAULT.ag_in_place_groups
-    """NCCL windows at one rank per node: TIDE-AG delivers straight into the parameters'
+    """NCCL windows across nodes (any N x L): TIDE-AG delivers straight into the parameters'
     unsharded storage, which lives in the window's arena until the reshard; the arena holds
     this many of the largest FSDP groups at once (4 covers root, last block, two in
     flight). An all-gather that finds it full places with copies (logged). 0: always copy

@@ -24,7 +24,7 @@ Beside them, on a side stream, the engines (``side``), each repeated to about
   cannot run NCCL's ring between two ranks with torch's bundled NCCL).
 - ``cast_foreach``: FSDP2's fp32 -> bf16 cast of one Llama-3.1-70B layer's shards at 2
   ranks (``torch._foreach_copy_``, the multi-launch kernel every mode's all-gather runs).
-- ``accumulate``: TIDE-RS's accumulate kernel (``comm.kernels.accumulate_rows``, its
+- ``accumulate``: TIDE-RS's accumulate kernel (``comm.base.kernels.accumulate_rows``, its
   default launch) on two bf16 rows of that shard into fp32.
 - ``local_copy_ce``: ONE ``cudaMemcpyBatchAsync`` (``comm.transports.copy_engine.batch_copy``:
   source order, location hints, ``PreferOverlapWithCompute``) of a 256 MiB ``uint8`` buffer

@@ -53,7 +53,9 @@
 #   interference_one_gpu  not in the default list: bench_interference --one-gpu on GPU 0 (the
 #                 simulator's interference per engine and compute class: GEMMs, the grouped
 #                 expert GEMM, attention beside a copy-engine copy, a copy kernel on NCCL's
-#                 24 / 9 CTAs, FSDP2's cast, TIDE-RS's accumulate; INTERF1_REPS, 5)  ~1-2 min
+#                 24 / 9 CTAs, FSDP2's cast, TIDE-RS's accumulate, a local HBM copy forced
+#                 onto the copy engine alone and batched (local_copy_ce, local_batch_ce;
+#                 need cuda-bindings); INTERF1_REPS, 5)                     ~2-3 min
 #   accumulate    bench_accumulate (TIDE-RS kernel GiB/s vs CTA count, 1 GPU)       ~20 s
 #   report        report.py over bench/results                                     seconds
 # Knobs: FLOOR_CONFIGS (the three h200x2_* configs), TRACE_CONFIGS, TRACE_ARGS, FLOOR_WORLD (2: ranks of the step whose

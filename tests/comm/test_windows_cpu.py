@@ -294,6 +294,38 @@ def _interrupted_and_detached(rank: int, world: int) -> None:
     comm.remove(model)
     dist.barrier()
 
+    # The storage swap raising inside the bind, after the range was taken: a refusal
+    # (RuntimeError) places the all-gather, anything else propagates; the range comes back.
+    from torchtitan_tide.comm.transports.windows import transport as window_transport
+
+    swap = window_transport.swap_storage_pairs
+    for planted, expect_raise in ((ValueError, True), (RuntimeError, False)):
+        model = build(Scenario(reshard_after_forward=False), torch.device("cpu"))
+        comm.apply(model, "tide", local_world_size=1)
+        transports = {id(g._tide_ag_state.transport): g._tide_ag_state.transport
+                      for _, g in fsdp_patch.fsdp_param_groups(model)}.values()  # fmt: skip
+        calls = []
+
+        def refuse(pairs, planted=planted, calls=calls):
+            calls.append(len(pairs))
+            raise planted("planted: the swap refused")
+
+        window_transport.swap_storage_pairs = refuse
+        try:
+            if expect_raise:
+                with pytest.raises(ValueError, match="planted"):
+                    model(tokens)
+            else:
+                with torch.no_grad():
+                    model(tokens)  # every group placed, nothing bound
+        finally:
+            window_transport.swap_storage_pairs = swap
+        assert calls, "the in-place bind never reached the swap"
+        assert all(t._pending is None and not t._bindings for t in transports)
+        assert all(t.arena_in_use == 0 for t in transports), [t.arena_in_use for t in transports]
+        comm.remove(model)
+        dist.barrier()
+
     model = build(Scenario(reshard_after_forward=False), torch.device("cpu"))
     comm.apply(model, "tide", local_world_size=1)
     transports = list({id(g._tide_ag_state.transport): g._tide_ag_state.transport

@@ -129,7 +129,7 @@ class TideOptions:
         on an SM while it waits). Where the copy-engine barrier cannot run on
         some rank, every rank takes the kernel, logged.
     ag_in_place_groups:
-        NCCL windows at one rank per node: TIDE-AG puts every shard straight into its
+        NCCL windows across nodes (any N x L): TIDE-AG puts every shard straight into its
         parameter's unsharded storage, which then lives in the window's arena until FSDP2
         reshards the group (no pack, no placement copy; docs/design/2026-12-04-windows.md). The
         arena holds this many of the largest groups at once (4 covers the root group, the

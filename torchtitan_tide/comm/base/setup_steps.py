@@ -175,11 +175,6 @@ class SetupSteps:
             raise error  # type: ignore[misc]
         return result["value"]  # type: ignore[return-value]
 
-    def report(self, scope: str, text: str) -> None:
-        """Tell ``scope``'s peers of a failure of this rank (their waits there stop at once)."""
-        if self._peer_error(scope) is None:
-            self._report(scope, text)
-
     def exchange(self, step: str, scope: str, peers: Sequence[int], value: object) -> list:
         """Every peer's ``value``, in the order of ``peers`` (this rank among them).
 

@@ -155,7 +155,7 @@ def tide_all_gather(
             inputs.append(inp)
             fsdp_param.init_all_gather_outputs([p.shard_numel], [dtype], world, device)
             outputs.append(fsdp_param.all_gather_outputs[0])
-        # In place (windows at one rank per node): the storages now point into the window.
+        # In place (windows across nodes, any N x L): the storages now point into the window.
         bind = getattr(state.transport, "bind_in_place", None)
         in_place = bind is not None and bind(plan, fsdp_params, outputs, state.fqn)
         try:

@@ -568,10 +568,10 @@ def tide_reduce(
 
     with _stream_ctx(comm):
         out = _poisoned(torch.empty(shard_numel, dtype=torch.float32, device=device))
+        if state.cross_node is not None:  # once per reduce, whatever its dtype runs
+            state.cross_node.begin_reduce()
         for start, stop, offset, plan in runs:
             run_out, run_grads = out.narrow(0, offset, plan.shard_numel), grads[start:stop]
-            if state.cross_node is not None:
-                state.cross_node.begin_reduce()
             for chunk in plan.chunks:
                 own = chunk.cross_peers is None
                 slot = -1

@@ -165,7 +165,10 @@ class ModePlan:
     gradients. ``params_optimizer_bytes``: sharded master params + AdamW states.
     ``residency``: "transient" (caching-allocator blocks taken and freed per
     collective), "persistent" (held for the whole run: symmetric memory) or
-    "AG persistent, RS transient". ``parts`` names every term that was added up.
+    "AG persistent, RS transient". ``parts`` names every term that was added up, except
+    fsdp2's and symm_mem's ``ag_outputs_in_flight`` (shown beside them, not summed: the flat
+    AG buffers plus the unsharded parameters of the groups in flight, what TIDE's in-place
+    arena is compared with).
     """
 
     mode: str
@@ -306,7 +309,7 @@ def plan_memory(
             NCCL has host RMA): more than one node then runs TIDE-AG and TIDE-RS's rows in
             one window (``window_rounds.window_layout``) and TIDE-RS phase 2 in a ring of
             ``2K x round256(S_max x 4)``, persistent, whatever the node count.
-        ag_in_place_groups: ``[tide] ag_in_place_groups``: one-sided at one rank per node,
+        ag_in_place_groups: ``[tide] ag_in_place_groups``: one-sided across nodes (any L),
             the window also holds an arena of that many of the largest groups' unsharded
             parameters (TIDE-AG in place, ``window_arena``).
 
@@ -389,7 +392,7 @@ class _TideBuffers:
     rs_staging_extra: int
     rs_cross_node_fp32: int
     notes: tuple[str, ...]
-    ag_arena: int = 0  # of ag_slots: the in-place all-gather's arena (one rank per node)
+    ag_arena: int = 0  # of ag_slots: the in-place all-gather's arena (any N x L across nodes)
 
     @property
     def rs_bytes(self) -> int:

@@ -1,6 +1,6 @@
 """Where TIDE-AG's in-place deliveries sit in a window, and when a range may be written again.
 
-At one rank per node, TIDE-AG on NCCL windows puts every shard straight into the unsharded
+Across nodes (any N x L), TIDE-AG on NCCL windows puts every shard straight into the unsharded
 storage of its parameter: that storage lives in the window's ``arena`` from the all-gather
 until FSDP2 reshards the group (``transports/windows/transport.py``). This module is the host-side
 allocator of that arena. Pure Python (no torch): every rank of the process group runs the

@@ -1,6 +1,6 @@
 """NCCL's one-sided host API (NCCL >= 2.29) through ctypes, on the library torch loaded.
 
-TIDE's zero-SM cross-node transport (``one_sided``) puts data straight into a peer's
+TIDE's zero-SM cross-node transports (``windows.transport``, ``windows.ring``) put data straight into a peer's
 registered memory with ``ncclPutSignal`` and waits with ``ncclWaitSignal``; NCCL moves the
 bytes with the copy engine between GPUs it reaches by load/store (NVLink, one node) and by
 its RMA proxy over the network (IB/RoCE with GPUDirect), no send/recv kernel on the SMs.

@@ -52,7 +52,7 @@ from ...base import kernels, streams, watchdog
 from ...base.poison import poison_value
 from ...base.ranks import global_rank
 from ...plans.plan import GroupPlan, RSRound, RSSegment, RSSlice, WorldLayout, packed_entry
-from ...plans.window_arena import WindowArena, aligned
+from ...plans.window_arena import Taken, WindowArena, aligned
 from ...plans.window_rounds import (
     FAN,
     MAIN,
@@ -148,7 +148,8 @@ class WindowTransport:
     """TIDE-AG (``gather``) and TIDE-RS's node-local rounds (``reduce_rows``) on a
     :class:`WindowSlots`. The plan is cross-node only (``build_group_plan(...,
     pull_local=True)``): the node-local fan-out is the window's own. With ``in_place``
-    (one rank per node) all-gathers go straight into the parameters' storage."""
+    (more than one node, any ranks per node) all-gathers go straight into the parameters'
+    storage."""
 
     name = "nccl_windows"
 
@@ -208,6 +209,10 @@ class WindowTransport:
         for n in sizes:
             offsets.append(total)
             total += aligned(n)
+        writers = in_place_writers(plan.layout, plan.rank, plan.exchanges)
+        if ip.writers is not None and ip.writers != writers:
+            raise AssertionError(f"TIDE {fqn}: writers {writers} differ from the window's "
+                                 f"{ip.writers}")  # fmt: skip
         taken = ip.arena.take(total)
         if taken is None:
             self.slots.counters.arena_full += 1
@@ -220,12 +225,33 @@ class WindowTransport:
                     fqn, total, ip.arena.in_use, ip.arena.nbytes,
                 )  # fmt: skip
             return False
-        writers = in_place_writers(plan.layout, plan.rank, plan.exchanges)
-        if ip.writers is None:
-            ip.writers = writers
-        elif ip.writers != writers:
-            raise AssertionError(f"TIDE {fqn}: writers {writers} differ from the window's "
-                                 f"{ip.writers}")  # fmt: skip
+        ip.writers = writers
+        try:
+            binding = self._swap_into(taken, total, fsdp_params, outputs, offsets, sizes)
+        except RuntimeError as e:  # refused before any exchange: place this all-gather
+            # Every rank refuses alike: the checks read storages FSDP2 built the same way on
+            # each rank (SPMD); a rank alone in placing would leave its peers' in-place puts
+            # unmatched until TIDE's watchdog ends the job.
+            ip.arena.untake(taken)  # nobody wrote the range; not a release
+            logger.warning("TIDE %s: the storage swap refused a parameter (%s); this "
+                           "all-gather places its shards with copies", fqn, e)  # fmt: skip
+            return False
+        except BaseException:
+            ip.arena.untake(taken)
+            raise
+        for fp in fsdp_params:
+            self._bindings[id(fp)] = binding
+            hold_unsharded(fp, self)
+        world = plan.layout.world_size
+        self._pending = (plan, tuple(offsets), tuple(n // world for n in sizes), taken, binding)
+        return True
+
+    def _swap_into(self, taken: Taken, total: int, fsdp_params: list,
+                   outputs: list[torch.Tensor], offsets: list[int],
+                   sizes: list[int]) -> _Binding:  # fmt: skip
+        """Swap each output's storage with its range of ``taken`` (``total`` bytes; the
+        current stream first waits for this rank's last use of it); raises, with no storage
+        swapped, if the swap refuses one."""
         device = outputs[0].device
         if device.type == "cuda":
             current = torch.cuda.current_stream(device)
@@ -241,19 +267,8 @@ class WindowTransport:
             held = torch._C._construct_storage_from_data_pointer(base + off, device, n)
             pairs.append((storage, held))  # ``held`` then holds the parameter's empty memory
             binding.params[id(fp)] = (fp, held)
-        try:
-            swap_storage_pairs(pairs)
-        except RuntimeError as e:  # refused before any exchange: place this all-gather
-            ip.arena.untake(taken)  # nobody wrote the range; not a release
-            logger.warning("TIDE %s: the storage swap refused a parameter (%s); this "
-                           "all-gather places its shards with copies", fqn, e)  # fmt: skip
-            return False
-        for fp in fsdp_params:
-            self._bindings[id(fp)] = binding
-            hold_unsharded(fp, self)
-        world = plan.layout.world_size
-        self._pending = (plan, tuple(offsets), tuple(n // world for n in sizes), taken, binding)
-        return True
+        swap_storage_pairs(pairs)
+        return binding
 
     def release(self, fsdp_param) -> None:
         """FSDP2 frees ``fsdp_param``'s unsharded storage (its reshard; on the stream current
