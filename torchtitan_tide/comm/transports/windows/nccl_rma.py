@@ -2,9 +2,9 @@
 
 TIDE's zero-SM cross-node transports (``windows.transport``, ``windows.ring``) put data
 straight into a peer's registered memory with ``ncclPutSignal`` and wait with
-``ncclWaitSignal``; NCCL moves the
-bytes with the copy engine between GPUs it reaches by load/store (NVLink, one node) and by
-its RMA proxy over the network (IB/RoCE with GPUDirect), no send/recv kernel on the SMs.
+``ncclWaitSignal``; NCCL moves the bytes with the copy engine between GPUs it reaches by
+load/store (NVLink, one node) and by its RMA proxy over the network (IB/RoCE with GPUDirect),
+no send/recv kernel on the SMs.
 Docs: docs/design/2026-12-02-one-sided.md.
 
 Contract:
