@@ -30,7 +30,8 @@ transports, rail puts and phase 2; fsdp2: a ring over the N*L ranks in node orde
 nodes N times, so (N/W)(W-1) shards per collective per rank on average: a model, said so).
 The one-sided variant also records the ops of one all-gather as the window transport ran
 them (``window_rounds``: which stream waits on which peer) and the profiled copies of a
-step on their streams (a PNG timeline: placement copies beside the next wave's puts).
+step on their streams (a PNG timeline: the fan-out beside the next wave's puts; each lane
+named by TIDE's stream name, found by a marker copy per stream in a profile of its own).
 The ranks share one GPU and "the network" is a copy or a loopback socket: step times from
 here are no cluster figure and are not reported; kernel counts, SM-ms and bytes are.
 """
@@ -217,8 +218,14 @@ def _last_ag_ops(model: nn.Module) -> list[str]:
     return []
 
 
-def _copy_lanes(events: list[dict]) -> list[dict]:
-    """The step's copies and kernels as (stream, start, end) in ms from the first event."""
+def _event_stream(event: dict):
+    """The stream number a profile's device row names (CUPTI's stream id)."""
+    return (event.get("args") or {}).get("stream", event.get("tid"))
+
+
+def _copy_lanes(events: list[dict], names: dict[str, str] | None = None) -> list[dict]:
+    """The step's copies and kernels as (stream, start, end) in ms from the first event;
+    ``names``: stream number (as text) -> TIDE's name of it (:func:`_stream_names`)."""
     if not events:
         return []
     t0 = min(e["ts"] for e in events)
@@ -226,10 +233,52 @@ def _copy_lanes(events: list[dict]) -> list[dict]:
     for e in events:
         kind = common.classify_device_event(e["name"])
         if kind in ("memcpy", "other_kernel", "nccl_kernel"):
-            stream = (e.get("args") or {}).get("stream", e.get("tid"))
+            stream = _event_stream(e)
             lanes.append({"stream": stream, "kind": kind, "start_ms": (e["ts"] - t0) / 1e3,
-                          "end_ms": (e["ts"] + e["dur"] - t0) / 1e3})  # fmt: skip
+                          "end_ms": (e["ts"] + e["dur"] - t0) / 1e3,
+                          "stream_name": (names or {}).get(str(stream), "")})  # fmt: skip
     return lanes
+
+
+MARKER_BYTES = 1000  # the marker copy of the i-th named stream moves MARKER_BYTES + i bytes
+
+
+def _marker_names(events: list[dict], names: list[str]) -> dict[str, str]:
+    """Stream number -> name from a profile of one marker copy per name (``names[i]``'s of
+    ``MARKER_BYTES + i`` bytes); a number two names claim is left out."""
+    found: dict[str, set[str]] = {}
+    for e in events:
+        size = (e.get("args") or {}).get("bytes")
+        if common.classify_device_event(e["name"]) == "memcpy" and isinstance(size, int):
+            index = size - MARKER_BYTES
+            if 0 <= index < len(names):
+                found.setdefault(str(_event_stream(e)), set()).add(names[index])
+    return {stream: next(iter(n)) for stream, n in found.items() if len(n) == 1}
+
+
+def _stream_names(device: torch.device) -> dict[str, str]:
+    """The profile's stream numbers named: a profile of its own (the measured step's counts
+    stay untouched) with one device-to-device copy of a distinct size on the compute stream
+    and on each of TIDE's streams made so far (``comm.base.streams.made_on``); CUPTI's
+    stream ids hold for the process."""
+    from torchtitan_tide.comm.base import streams as tide_streams
+
+    on = {"compute": torch.cuda.current_stream(device), **tide_streams.made_on(device)}
+    names = sorted(on)
+    src = torch.zeros(MARKER_BYTES + len(names), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    torch.cuda.synchronize(device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for index, name in enumerate(names):
+            with torch.cuda.stream(on[name]):
+                size = MARKER_BYTES + index
+                dst[:size].copy_(src[:size])
+        torch.cuda.synchronize(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(trace)
+        events = common.device_events(common.load_chrome_trace(trace))
+    return _marker_names(events, names)
 
 
 def _zoom_window(lanes: list[dict], width_ms: float) -> tuple[float, float] | None:
@@ -245,12 +294,18 @@ def _zoom_window(lanes: list[dict], width_ms: float) -> tuple[float, float] | No
     return best
 
 
-def _draw_lanes(ax, lanes: list[dict], streams: list[str]) -> None:
+def _lane_labels(lanes: list[dict], streams: list[str]) -> list[str]:
+    """Each stream's label: TIDE's name of it where the lanes carry one, else its number."""
+    named = {str(x["stream"]): x.get("stream_name") for x in lanes if x.get("stream_name")}
+    return [f"{named[s]} ({s})" if s in named else f"stream {s}" for s in streams]
+
+
+def _draw_lanes(ax, lanes: list[dict], streams: list[str], labels: list[str]) -> None:
     colors = {"memcpy": "tab:blue", "other_kernel": "tab:gray", "nccl_kernel": "tab:red"}
     for x in lanes:
         ax.barh(streams.index(str(x["stream"])), x["end_ms"] - x["start_ms"],
                 left=x["start_ms"], height=0.6, color=colors[x["kind"]])  # fmt: skip
-    ax.set_yticks(range(len(streams)), [f"stream {s}" for s in streams])
+    ax.set_yticks(range(len(streams)), labels)
 
 
 def _timeline_png(path: Path, lanes: list[dict], title: str, zoom_ms: float = 0.3) -> bool:
@@ -264,18 +319,19 @@ def _timeline_png(path: Path, lanes: list[dict], title: str, zoom_ms: float = 0.
     except ImportError:
         return False
     streams = sorted({str(x["stream"]) for x in lanes})
+    labels = _lane_labels(lanes, streams)
     window = _zoom_window(lanes, zoom_ms)
     panels = 2 if window else 1
     fig, axes = plt.subplots(panels, 1, figsize=(12, panels * (1 + 0.5 * len(streams))),
                              squeeze=False)  # fmt: skip
-    _draw_lanes(axes[0][0], lanes, streams)
+    _draw_lanes(axes[0][0], lanes, streams, labels)
     axes[0][0].set_xlabel("ms from the step's first device event (copies blue, kernels grey)")
     axes[0][0].set_title(title)
     if window:
         start, end = window
         shown = [x for x in lanes if x["end_ms"] >= start and x["start_ms"] <= end]
         ax = axes[1][0]
-        _draw_lanes(ax, shown, streams)
+        _draw_lanes(ax, shown, streams, labels)
         ax.set_xlim(start - 0.01, end)
         ax.set_xlabel(f"ms, zoomed: the first {zoom_ms} ms with copies on the most streams")
     fig.tight_layout()
@@ -324,6 +380,13 @@ def _worker(rank: int, world: int, args: argparse.Namespace, variant: dict, resu
         torch.cuda.synchronize()
         _progress(rank, variant, f"warm-up step {index + 1} done")
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    names: dict[str, str] = {}
+    if variant["mode"] == "tide" and rank == 0:  # the timeline's lanes named (rank 0's)
+        try:
+            names = _stream_names(device)
+            _progress(rank, variant, f"streams named: {names}")
+        except (RuntimeError, OSError, ValueError) as e:  # the lanes keep their numbers, said so
+            _progress(rank, variant, f"streams not named ({type(e).__name__}: {e})")
     per_step = []
     for _ in range(args.steps):
         sent = _sent_bytes(model) if variant["mode"] == "tide" else 0
@@ -342,7 +405,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, variant: dict, resu
         nccl = [e for e, k in zip(events, kinds) if k == "nccl_kernel"]
         copy_bytes = sum((e.get("args") or {}).get("bytes", 0)
                          for e, k in zip(events, kinds) if k == "memcpy")  # fmt: skip
-        lanes = _copy_lanes(events)
+        lanes = _copy_lanes(events, names)
         per_step.append({
             "nccl_kernels": len(nccl),
             "nccl_kernel_ms": sum(e["dur"] for e in nccl) / 1e3,

@@ -74,3 +74,35 @@ def test_result_names_differ_per_layout():
     assert len(names) == 4
     assert bench._result_name("one_node", 2, 1) == "cross_node_one_node"  # the simulator's input
     assert bench._result_name("one_node", 4, 1) == "cross_node_one_node_4x1"
+
+
+def test_marker_copies_name_the_streams_and_the_lanes_carry_the_names():
+    """A profile of one marker copy per stream (``MARKER_BYTES + i`` bytes for the i-th
+    name) names the stream numbers; other copies, kernels and a number two names claim are
+    left out; the step's lanes carry the names and the plot labels by them."""
+    names = ["compute", "tide_fan", "tide_one_sided"]
+    marker = bench.MARKER_BYTES
+
+    def row(name: str, stream: int, nbytes: int | None = None) -> dict:
+        args = {"stream": stream} | ({"bytes": nbytes} if nbytes is not None else {})
+        return {"name": name, "ts": 1.0, "dur": 1.0, "args": args}
+
+    events = [
+        row("Memcpy DtoD (Device -> Device)", 7, marker),
+        row("Memcpy DtoD (Device -> Device)", 21, marker + 1),
+        row("Memcpy DtoD (Device -> Device)", 22, marker + 2),
+        row("Memcpy DtoD (Device -> Device)", 23, marker + 3),  # no such name
+        row("Memcpy DtoD (Device -> Device)", 24, 4096),  # not a marker
+        row("void at::elementwise_kernel", 25, marker),  # a kernel, not a copy
+        row("Memcpy DtoD (Device -> Device)", 30, marker),  # stream 30 claimed twice
+        row("Memcpy DtoD (Device -> Device)", 30, marker + 1),
+    ]
+    got = bench._marker_names(events, names)
+    assert got == {"7": "compute", "21": "tide_fan", "22": "tide_one_sided"}
+    step = [row("Memcpy PtoP (Device -> Device)", 21, 64), row("Memcpy PtoP", 22, 64),
+            row("Memcpy DtoD", 40, 64)]  # fmt: skip
+    lanes = bench._copy_lanes(step, got)
+    assert [x["stream_name"] for x in lanes] == ["tide_fan", "tide_one_sided", ""]
+    streams = sorted({str(x["stream"]) for x in lanes})
+    assert bench._lane_labels(lanes, streams) == ["tide_fan (21)", "tide_one_sided (22)",
+                                                  "stream 40"]  # fmt: skip

@@ -28,7 +28,7 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["empty_on", "run_beside", "stream"]
+__all__ = ["empty_on", "made_on", "run_beside", "stream"]
 
 _PRIORITIES = {
     "tide": -1, "tide_rs_cross": -1, "tide_one_sided": -1, "tide_one_sided_rs": -1,
@@ -46,6 +46,12 @@ def stream(name: str, device: torch.device) -> torch.cuda.Stream:
     if key not in _streams:
         _streams[key] = torch.cuda.Stream(device=device, priority=_PRIORITIES[name])
     return _streams[key]
+
+
+def made_on(device: torch.device) -> dict[str, torch.cuda.Stream]:
+    """Every stream of this module made on ``device`` so far, by name (a profile's
+    stream numbers are named from them: ``scripts/bench/bench_cross_node.py``)."""
+    return {name: s for (name, dev), s in _streams.items() if dev == device}
 
 
 def run_beside(side: torch.cuda.Stream, work: Callable[[], T]) -> T:
