@@ -223,9 +223,8 @@ def _event_stream(event: dict):
     return (event.get("args") or {}).get("stream", event.get("tid"))
 
 
-def _copy_lanes(events: list[dict], names: dict[str, str] | None = None) -> list[dict]:
-    """The step's copies and kernels as (stream, start, end) in ms from the first event;
-    ``names``: stream number (as text) -> TIDE's name of it (:func:`_stream_names`)."""
+def _copy_lanes(events: list[dict]) -> list[dict]:
+    """The step's copies and kernels as (stream, start, end) in ms from the first event."""
     if not events:
         return []
     t0 = min(e["ts"] for e in events)
@@ -235,8 +234,7 @@ def _copy_lanes(events: list[dict], names: dict[str, str] | None = None) -> list
         if kind in ("memcpy", "other_kernel", "nccl_kernel"):
             stream = _event_stream(e)
             lanes.append({"stream": stream, "kind": kind, "start_ms": (e["ts"] - t0) / 1e3,
-                          "end_ms": (e["ts"] + e["dur"] - t0) / 1e3,
-                          "stream_name": (names or {}).get(str(stream), "")})  # fmt: skip
+                          "end_ms": (e["ts"] + e["dur"] - t0) / 1e3})  # fmt: skip
     return lanes
 
 
@@ -274,11 +272,15 @@ def _stream_names(device: torch.device) -> dict[str, str]:
                 size = MARKER_BYTES + index
                 dst[:size].copy_(src[:size])
         torch.cuda.synchronize(device)
+    return _marker_names(_device_events(prof), names)
+
+
+def _device_events(prof: torch.profiler.profile) -> list[dict]:
+    """A finished CUDA profile's device rows (kernels, copies, memsets), by start time."""
     with tempfile.TemporaryDirectory() as tmp:
         trace = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(trace)
-        events = common.device_events(common.load_chrome_trace(trace))
-    return _marker_names(events, names)
+        return common.device_events(common.load_chrome_trace(trace))
 
 
 def _zoom_window(lanes: list[dict], width_ms: float) -> tuple[float, float] | None:
@@ -294,10 +296,10 @@ def _zoom_window(lanes: list[dict], width_ms: float) -> tuple[float, float] | No
     return best
 
 
-def _lane_labels(lanes: list[dict], streams: list[str]) -> list[str]:
-    """Each stream's label: TIDE's name of it where the lanes carry one, else its number."""
-    named = {str(x["stream"]): x.get("stream_name") for x in lanes if x.get("stream_name")}
-    return [f"{named[s]} ({s})" if s in named else f"stream {s}" for s in streams]
+def _lane_labels(streams: list[str], names: dict[str, str]) -> list[str]:
+    """Each stream's label: TIDE's name of it (``names``: :func:`_stream_names`), else its
+    number."""
+    return [f"{names[s]} ({s})" if s in names else f"stream {s}" for s in streams]
 
 
 def _draw_lanes(ax, lanes: list[dict], streams: list[str], labels: list[str]) -> None:
@@ -308,9 +310,11 @@ def _draw_lanes(ax, lanes: list[dict], streams: list[str], labels: list[str]) ->
     ax.set_yticks(range(len(streams)), labels)
 
 
-def _timeline_png(path: Path, lanes: list[dict], title: str, zoom_ms: float = 0.3) -> bool:
+def _timeline_png(path: Path, lanes: list[dict], title: str,
+                  names: dict[str, str] | None = None, zoom_ms: float = 0.3) -> bool:  # fmt: skip
     """The step's copies and kernels per stream (top) and the first ``zoom_ms`` window with
-    copies on the most streams (bottom: placement copies beside the next wave's puts)."""
+    copies on the most streams (bottom: the fan-out beside the next wave's puts); lanes
+    labelled by ``names`` (stream number -> TIDE's stream) where it has them."""
     try:
         import matplotlib
 
@@ -319,7 +323,7 @@ def _timeline_png(path: Path, lanes: list[dict], title: str, zoom_ms: float = 0.
     except ImportError:
         return False
     streams = sorted({str(x["stream"]) for x in lanes})
-    labels = _lane_labels(lanes, streams)
+    labels = _lane_labels(streams, names or {})
     window = _zoom_window(lanes, zoom_ms)
     panels = 2 if window else 1
     fig, axes = plt.subplots(panels, 1, figsize=(12, panels * (1 + 0.5 * len(streams))),
@@ -397,15 +401,12 @@ def _worker(rank: int, world: int, args: argparse.Namespace, variant: dict, resu
             step()
             torch.cuda.synchronize()
         _progress(rank, variant, "profiled step done")
-        with tempfile.TemporaryDirectory() as tmp:
-            trace = os.path.join(tmp, "trace.json")
-            prof.export_chrome_trace(trace)
-            events = common.device_events(common.load_chrome_trace(trace))
+        events = _device_events(prof)
         kinds = [common.classify_device_event(e["name"]) for e in events]
         nccl = [e for e, k in zip(events, kinds) if k == "nccl_kernel"]
         copy_bytes = sum((e.get("args") or {}).get("bytes", 0)
                          for e, k in zip(events, kinds) if k == "memcpy")  # fmt: skip
-        lanes = _copy_lanes(events, names)
+        lanes = _copy_lanes(events)
         per_step.append({
             "nccl_kernels": len(nccl),
             "nccl_kernel_ms": sum(e["dur"] for e in nccl) / 1e3,
@@ -441,6 +442,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, variant: dict, resu
         row["schedule"] = schedule
         if schedule:  # the window transport's step: its copies and kernels, per stream
             row["lanes"] = lanes[:4000]
+            row["stream_names"] = names  # stream number (as text) -> TIDE's stream
         row["nccl_kernel_names"] = per_step[-1]["nccl_kernel_names"]
         Path(result).write_text(json.dumps(row))
 
@@ -574,6 +576,7 @@ def main() -> int:
             Path(f"{stem}_timeline.png"),
             sided["lanes"],
             f"rank 0, one profiled step, {sided['variant']} ({shape})",
+            sided.get("stream_names", {}),
         ):
             notes += (
                 f"\nTimeline of that step's copies per stream: `{Path(stem).name}_timeline.png`.\n"
