@@ -30,8 +30,10 @@ transports, rail puts and phase 2; fsdp2: a ring over the N*L ranks in node orde
 nodes N times, so (N/W)(W-1) shards per collective per rank on average: a model, said so).
 The one-sided variant also records the ops of one all-gather as the window transport ran
 them (``window_rounds``: which stream waits on which peer) and the profiled copies of a
-step on their streams (a PNG timeline: the fan-out beside the next wave's puts; each lane
-named by TIDE's stream name, found by a marker copy per stream in a profile of its own).
+step on their streams (a PNG timeline, zoomed on the cross-node puts and the fan-out; each
+lane named by TIDE's stream name, found by a marker copy per stream in a profile of its
+own), with rank 0's copy time on the fan-out stream and how much of it ran while a
+cross-node put did (``fan_beside_put_ms``).
 The ranks share one GPU and "the network" is a copy or a loopback socket: step times from
 here are no cluster figure and are not reported; kernel counts, SM-ms and bytes are.
 """
@@ -283,17 +285,51 @@ def _device_events(prof: torch.profiler.profile) -> list[dict]:
         return common.device_events(common.load_chrome_trace(trace))
 
 
-def _zoom_window(lanes: list[dict], width_ms: float) -> tuple[float, float] | None:
+def _zoom_window(lanes: list[dict], width_ms: float,
+                 wanted: tuple[str, ...] = ()) -> tuple[float, float] | None:  # fmt: skip
     """The first ``width_ms`` window that holds copies on the most streams (the ranks share
-    one GPU, so a step is short bursts between long waits for the other ranks' turns)."""
+    one GPU, so a step is short bursts between long waits for the other ranks' turns).
+    ``wanted`` (stream numbers as text, e.g. the put and fan-out streams): the window with
+    copies on the most of those, then the most copies on them, then on the most streams."""
     copies = sorted((x for x in lanes if x["kind"] == "memcpy"), key=lambda x: x["start_ms"])
-    best, best_streams = None, 0
+    best, best_score = None, (0, 0, 0)
     for first in copies:
         end = first["start_ms"] + width_ms
-        streams = {x["stream"] for x in copies if first["start_ms"] <= x["start_ms"] < end}
-        if len(streams) > best_streams:
-            best, best_streams = (first["start_ms"], end), len(streams)
+        inside = [x for x in copies if first["start_ms"] <= x["start_ms"] < end]
+        on_wanted = [x for x in inside if str(x["stream"]) in wanted]
+        score = (len({x["stream"] for x in on_wanted}), len(on_wanted),
+                 len({x["stream"] for x in inside}))  # fmt: skip
+        if score > best_score:
+            best, best_score = (first["start_ms"], end), score
     return best
+
+
+def _busy(lanes: list[dict], stream: str) -> list[tuple[float, float]]:
+    """The time spans in which ``stream`` (number as text) has a copy running, merged."""
+    spans = sorted((x["start_ms"], x["end_ms"]) for x in lanes
+                   if x["kind"] == "memcpy" and str(x["stream"]) == stream)  # fmt: skip
+    merged: list[tuple[float, float]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _fan_beside_puts(lanes: list[dict], names: dict[str, str]) -> dict[str, float]:
+    """Rank 0's copy time on the fan-out stream (``tide_fan``), on TIDE-AG's cross-node put
+    stream, and the time both ran at once (ms; {} when the lanes are not named)."""
+    from torchtitan_tide.comm.transports.windows.ring import AG_PUT_STREAM
+
+    by_name = {name: stream for stream, name in names.items()}
+    if "tide_fan" not in by_name or AG_PUT_STREAM not in by_name:
+        return {}
+    fan, put = _busy(lanes, by_name["tide_fan"]), _busy(lanes, by_name[AG_PUT_STREAM])
+    both = sum(max(0.0, min(f_end, p_end) - max(f_start, p_start))
+               for f_start, f_end in fan for p_start, p_end in put)  # fmt: skip
+    return {"fan_ms": sum(e - s for s, e in fan), "put_ms": sum(e - s for s, e in put),
+            "fan_beside_put_ms": both}  # fmt: skip
 
 
 def _lane_labels(streams: list[str], names: dict[str, str]) -> list[str]:
@@ -313,8 +349,8 @@ def _draw_lanes(ax, lanes: list[dict], streams: list[str], labels: list[str]) ->
 def _timeline_png(path: Path, lanes: list[dict], title: str,
                   names: dict[str, str] | None = None, zoom_ms: float = 0.3) -> bool:  # fmt: skip
     """The step's copies and kernels per stream (top) and the first ``zoom_ms`` window with
-    copies on the most streams (bottom: the fan-out beside the next wave's puts); lanes
-    labelled by ``names`` (stream number -> TIDE's stream) where it has them."""
+    copies on the cross-node put and fan-out streams where ``names`` (stream number ->
+    TIDE's stream) has them, else on the most streams (bottom); lanes labelled by ``names``."""
     try:
         import matplotlib
 
@@ -322,9 +358,12 @@ def _timeline_png(path: Path, lanes: list[dict], title: str,
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    from torchtitan_tide.comm.transports.windows.ring import AG_PUT_STREAM
+
     streams = sorted({str(x["stream"]) for x in lanes})
     labels = _lane_labels(streams, names or {})
-    window = _zoom_window(lanes, zoom_ms)
+    wanted = tuple(s for s, name in (names or {}).items() if name in (AG_PUT_STREAM, "tide_fan"))
+    window = _zoom_window(lanes, zoom_ms, wanted)
     panels = 2 if window else 1
     fig, axes = plt.subplots(panels, 1, figsize=(12, panels * (1 + 0.5 * len(streams))),
                              squeeze=False)  # fmt: skip
@@ -337,7 +376,8 @@ def _timeline_png(path: Path, lanes: list[dict], title: str,
         ax = axes[1][0]
         _draw_lanes(ax, shown, streams, labels)
         ax.set_xlim(start - 0.01, end)
-        ax.set_xlabel(f"ms, zoomed: the first {zoom_ms} ms with copies on the most streams")
+        what = "the puts and the fan-out" if wanted else "the most streams"
+        ax.set_xlabel(f"ms, zoomed: the first {zoom_ms} ms with copies on {what}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -443,6 +483,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, variant: dict, resu
         if schedule:  # the window transport's step: its copies and kernels, per stream
             row["lanes"] = lanes[:4000]
             row["stream_names"] = names  # stream number (as text) -> TIDE's stream
+            row.update(_fan_beside_puts(lanes, names))  # rank 0's copy time, last step
         row["nccl_kernel_names"] = per_step[-1]["nccl_kernel_names"]
         Path(result).write_text(json.dumps(row))
 
@@ -554,6 +595,7 @@ def main() -> int:
         ["in_place_all_gathers", "AGs in place / step"],
         ["placed_copies", "placement copies / step"],
         ["host_ms_per_ag", "host ms / TIDE-AG"], ["host_ms_per_rs", "host ms / TIDE-RS"],
+        ["fan_ms", "fan-out copy ms"], ["fan_beside_put_ms", "of it beside puts ms"],
         ["wire_mib", "cross-node MiB / rank / step"], ["error", "error"],
     ]  # fmt: skip
     args.layout = shape

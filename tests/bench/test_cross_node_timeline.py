@@ -1,6 +1,7 @@
-"""bench_cross_node's timeline: the zoom panel finds the window with copies on the most
-streams (one GPU shared by every rank: short bursts between long waits), and the PNG is
-drawn with both panels."""
+"""bench_cross_node's timeline: the zoom panel finds the window with copies on the put and
+fan-out streams, else on the most streams (one GPU shared by every rank: short bursts
+between long waits); the fan-out's copy time beside the puts; the PNG is drawn with both
+panels."""
 
 from __future__ import annotations
 
@@ -33,12 +34,44 @@ def test_zoom_window_takes_the_first_burst_on_the_most_streams():
     assert bench._zoom_window([_lane(7, 0.0, 1.0, "other_kernel")], 0.3) is None
 
 
+def test_zoom_window_prefers_the_put_and_fan_out_streams():
+    """Named put and fan-out streams: the window with copies on both wins over one with
+    copies on more streams; without names the most streams win."""
+    lanes = [
+        _lane(2, 10.0, 0.01), _lane(3, 10.1, 0.01), _lane(4, 10.2, 0.01),  # three others
+        _lane(5, 20.0, 0.01), _lane(6, 20.1, 0.01),  # put and fan-out
+        _lane(5, 30.0, 0.01), _lane(5, 30.1, 0.01),  # puts only
+    ]  # fmt: skip
+    assert bench._zoom_window(lanes, 0.3, ("5", "6")) == pytest.approx((20.0, 20.3))
+    assert bench._zoom_window(lanes, 0.3) == pytest.approx((10.0, 10.3))
+
+
+def test_fan_beside_puts_counts_the_time_both_streams_copy():
+    """Copy time on the fan-out stream, on the put stream, and both at once: overlapping
+    copies of one stream counted once; a kernel on either stream is no copy."""
+    names = {"5": "tide_one_sided", "6": "tide_fan", "7": "compute"}
+    lanes = [
+        _lane(5, 0.0, 1.0), _lane(5, 0.5, 1.0),  # put busy 0.0-1.5
+        _lane(6, 1.0, 1.0),                       # fan busy 1.0-2.0: 0.5 beside puts
+        _lane(6, 3.0, 0.5), _lane(5, 3.2, 0.1),   # 0.1 beside
+        _lane(6, 5.0, 1.0, "other_kernel"), _lane(7, 0.0, 9.0),
+    ]  # fmt: skip
+    got = bench._fan_beside_puts(lanes, names)
+    assert got["put_ms"] == pytest.approx(1.6)
+    assert got["fan_ms"] == pytest.approx(1.5)
+    assert got["fan_beside_put_ms"] == pytest.approx(0.6)
+    assert bench._fan_beside_puts(lanes, {"5": "tide_one_sided"}) == {}  # no fan-out named
+
+
 def test_timeline_png_is_written(tmp_path):
     pytest.importorskip("matplotlib")
     lanes = [_lane(2, 10.0, 0.01), _lane(3, 10.05, 0.01), _lane(7, 0.0, 0.2, "other_kernel")]
     path = tmp_path / "timeline.png"
     assert bench._timeline_png(path, lanes, "test")
     assert path.stat().st_size > 1000
+    named = tmp_path / "named.png"
+    assert bench._timeline_png(named, lanes, "test", {"2": "tide_fan", "3": "tide_one_sided"})
+    assert named.stat().st_size > 1000
 
 
 def test_in_place_compare_adds_both_arena_settings_at_one_rank_per_node():
