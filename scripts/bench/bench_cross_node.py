@@ -580,6 +580,7 @@ def main() -> int:
                               timeout_s=args.variant_timeout)  # fmt: skip
                 rows.append(json.loads(Path(result).read_text()))
             except Exception as e:  # noqa: BLE001 - recorded; the next variant runs
+                print(f"{variant['name']} failed: {type(e).__name__}: {e}", flush=True)
                 errors[variant["name"]] = common.short_error(f"{type(e).__name__}: {e}", 300)
                 rows.append({"variant": variant["name"], "error": errors[variant["name"]]})
             print(json.dumps(rows[-1]), flush=True)

@@ -352,10 +352,16 @@ def min_or_none(values: Iterable[float | None]) -> float | None:
 
 
 def short_error(err: str | None, n: int = 90) -> str | None:
-    """First line of ``err``, cut to ``n`` characters; None stays None."""
+    """First line of ``err``, cut to ``n`` characters; None stays None. A text that holds a
+    traceback (a spawned process's error: its first line is empty or names the process)
+    gives its last non-empty line instead, the error itself, after ``err``'s first word."""
     if err is None:
         return None
-    err = err.splitlines()[0] if err else err
+    lines = [line.strip() for line in err.splitlines() if line.strip()]
+    if "Traceback (most recent call last)" in err and lines:
+        err = f"{err.split(':')[0]}: {lines[-1]}"
+    else:
+        err = err.splitlines()[0] if err else err
     return err if len(err) <= n else err[: n - 3] + "..."
 
 

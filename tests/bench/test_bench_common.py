@@ -332,3 +332,17 @@ def test_smoke_cpu(tmp_path):
     assert "| variant |" in proc.stdout
     # the Markdown report is printed last (it ends with the per-variant device rows)
     assert proc.stdout.rstrip().splitlines()[-1].startswith("- 4 layers tide_nccl_p2p_2x1")
+
+
+def test_short_error_names_the_error_of_a_spawned_process():
+    """A spawned process's error text starts empty and holds the child's traceback: the
+    short form is its type and the traceback's last line, not an empty string."""
+    raised = ("ProcessRaisedException: \n\n-- Process 3 terminated with the following error:\n"
+              "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n"
+              "RuntimeError: NCCL error: out of memory\n")  # fmt: skip
+    assert common.short_error(raised, 300) == (
+        "ProcessRaisedException: RuntimeError: NCCL error: out of memory"
+    )
+    assert common.short_error("ValueError: bad\nmore") == "ValueError: bad"
+    assert common.short_error("x" * 100, 10) == "xxxxxxx..."
+    assert common.short_error(None) is None
