@@ -127,6 +127,54 @@ def test_result_files_are_what_the_simulator_reads(tmp_path):
     assert json.loads(Path(stem + ".json").read_text())["tables"][0]["rows"][0]["side"] == "none"
 
 
+def _one_gpu_result(tmp_path, machine: str, date: str, commit: str, sides) -> str:
+    rows = [{"compute": "attention", "side": "none", "compute_alone_ms": 2.0, "error": None}]
+    rows += [
+        one.summarize("attention", side, one.Pair([[2.0, 2.0]], [[(1, 2.2)]], [4.0], [4.4],
+                                                  [True]), side_bytes=2**30)
+        for side in sides
+    ]  # fmt: skip
+    meta = {"date": f"{date}T00:00:00Z", "machine": machine, "hostname": "h", "torch": "2.11",
+            "nccl": None, "cuda": "13.0", "commit": commit, "world_size": 1}  # fmt: skip
+    results = {"kind": "interference_one_gpu", "metadata": meta, "status": "complete",
+               "config": {"reps": 1, "side_ms": 4.0}}  # fmt: skip
+    gpu = machine.split()[1].lower()
+    stem = str(tmp_path / f"{date}_nvidia-{gpu}-x-1_{commit}_interference_one_gpu")
+    assert one.write(results, rows, stem) == 0
+    return Path(stem + ".json").name
+
+
+def test_simulator_keeps_the_simulated_gpu_and_takes_the_local_copy_where_measured(tmp_path):
+    """An older H200 result without the local copy sides and a newer H100 one with them: the
+    engines' figures stay the H200's (the GPU of every other input), the local copy's come
+    from the H100 result, named as an H100 measurement."""
+    from torchtitan_tide.simulator import interference
+
+    old_sides = [s for s in one.SIDES if not s.startswith("local_")]
+    h200 = _one_gpu_result(tmp_path, "NVIDIA H200 x 1", "2026-12-04", "aaa1111", old_sides)
+    h100 = _one_gpu_result(tmp_path, "NVIDIA H100 80GB HBM3 x 1", "2026-12-07", "bbb2222",
+                           one.SIDES)  # fmt: skip
+    assert interference.one_gpu_file(tmp_path).name == h200
+    assert interference.local_copy_file(tmp_path).name == h100
+    figures = interference.one_gpu_figures(tmp_path)
+    assert figures[("ce", "attention")].kind == "measured (one H200)"
+    assert h200 in figures[("ce", "attention")].source
+    local = figures[("ce_local", "attention")]
+    assert local.kind == "measured (one H100)" and h100 in local.source
+    rate, kind, source = interference.local_copy_rate(tmp_path, (1e6, "a device copy"))
+    assert (rate, kind) == (pytest.approx(250.0), "measured (one H100)") and h100 in source
+    from torchtitan_tide.simulator.results import RESULTS
+
+    for name in (interference.INTERFERENCE_FILE, interference.COLLECTIVES_FILE):
+        (tmp_path / name).write_bytes((RESULTS / name).read_bytes())
+    table = interference.figure_table(tmp_path)
+    assert table[("ce_local", "attention")].kind == "measured (one H100)"
+    # an H200 result with the local copy, newer or not, wins over the H100's
+    h200_local = _one_gpu_result(tmp_path, "NVIDIA H200 x 1", "2026-12-01", "ccc3333", one.SIDES)
+    assert interference.local_copy_file(tmp_path).name == h200_local
+    assert interference.one_gpu_file(tmp_path).name == h200  # still the newest H200 result
+
+
 @pytest.mark.gpu
 def test_gpu_interference_one_gpu_small(tmp_path):
     torch = pytest.importorskip("torch")

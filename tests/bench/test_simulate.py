@@ -379,7 +379,7 @@ def test_inputs_name_their_sources_and_charge_each_part_once():
             key,
             ins.sources[key],
         )
-    assert 3000 < ins.accumulate_gibps < 4500 and 1500 < ins.copy_gibps < 2500
+    assert 3000 < ins.accumulate_gibps < 4500 and 500 < ins.copy_gibps < 600  # local_batch_ce
     # transports from their own device time: stock's NCCL kernels faster than the call
     assert ins.transport_gibps["fsdp2"]["ag"] > 155.1 and ins.transport_gibps["fsdp2"]["rs"] > 186.5
     assert all(ins.sm_ns[m]["cast"] > 0 for m in ("fsdp2", "symm_mem", "tide"))

@@ -161,7 +161,8 @@ def _fake_one_gpu(folder, grouped_nccl_pct: float, ce_side_pct: float = 5.0) -> 
         for side, pct in (("copy_engine", 3.0), ("nccl_like_24", grouped_nccl_pct),
                           ("nccl_like_9", 8.0), ("cast_foreach", 40.0), ("accumulate", 30.0))
     ]  # fmt: skip
-    data = {"kind": "interference_one_gpu", "metadata": {"date": "2026-12-05T00:00:00Z"},
+    data = {"kind": "interference_one_gpu",
+            "metadata": {"date": "2026-12-05T00:00:00Z", "machine": "NVIDIA H200 x 1"},
             "tables": [{"rows": rows}]}  # fmt: skip
     (folder / "2026-12-05_nvidia-h200-x-1_fake_interference_one_gpu.json").write_text(
         json.dumps(data)

@@ -64,10 +64,11 @@ def test_a_stock_ring_across_nodes_runs_at_its_nics_not_the_two_gpu_channels():
 def test_b_placement_and_pack_copies_are_local_hbm_copies():
     """TIDE's placement (Place, on the placement path: in place off) and TIDE-RS's pack
     (PackSlices) are local HBM-to-HBM copies: engine ``ce_local`` on the GPU's HBM, at the
-    local copy rate, stretched beside compute by the most pessimistic figure the project
-    has (the one-GPU same-device copy, +1116% beside large GEMMs) until the copy engine's
-    own is measured. Before, they were charged as NVLink copies (+1.8%). In place at 8 x 8
-    (what ``auto`` runs, issue 45) the all-gather has neither a pack nor a placement copy."""
+    local copy rate, stretched beside compute as the copy engine's local copy measured
+    (``local_batch_ce`` on one H100, 4c402a6: +827% beside large GEMMs, about 538 GiB/s
+    alone; until then the most pessimistic figure, the one-GPU same-device copy's +1116%).
+    Before, they were charged as NVLink copies (+1.8%). In place at 8 x 8 (what ``auto``
+    runs, issue 45) the all-gather has neither a pack nor a placement copy."""
     placed = _step("llama70b_tide", NEW, ag_in_place_groups=0)
     in_place = _step("llama70b_tide", NEW)
     ins = _inputs("llama70b_tide")
@@ -77,14 +78,14 @@ def test_b_placement_and_pack_copies_are_local_hbm_copies():
     assert not [n for n in in_place if ".ag." in n and n.split("@")[0].endswith(
         (".Place", ".PackOwn"))]  # fmt: skip
     g = ins.engines["ce_local"][1]
-    assert g > 5  # the one-GPU copy_'s own stretch, mixed over Llama's classes
+    assert g > 5  # the local copy's own stretch, mixed over Llama's classes
     for op in places + packs:
         assert (op.kind, op.link.split("@")[0], op.slowdown["compute"]) == ("ce_local", "hbm", g)
     rows = {(r["engine"], r["compute_class"]): r for r in ins.figures}
-    assert rows[("ce_local", "large")]["kind"] == interference.PESSIMISTIC
-    assert rows[("ce_local", "large")]["comm_slowdown_pct"] == pytest.approx(1115.75, abs=0.1)
-    assert "most pessimistic" in ins.sources["copy"]
-    assert 1500 < ins.copy_gibps < 2000  # the one-GPU copy_'s rate alone: the lower one
+    assert rows[("ce_local", "large")]["kind"] == "measured (one H100)"
+    assert rows[("ce_local", "large")]["comm_slowdown_pct"] == pytest.approx(827.08, abs=0.1)
+    assert "local_batch_ce alone" in ins.sources["copy"]
+    assert 500 < ins.copy_gibps < 600  # one wave of placement copies on the copy engine
 
 
 def test_c_one_nic_per_gpu_carries_every_cross_node_byte():
@@ -432,7 +433,10 @@ def test_what_ifs_are_named_and_apart_from_the_headline():
     """The report's what-ifs change one input each of the NCCL 2.31 row and say so; the
     row 'as run' is the headline's (in place: the earlier "no local copies" what-if is what
     runs, not counted twice), removing TIDE-RS's packs, the local copies left, can only
-    help, and the reference row with in place off is slower."""
+    help, and the reference row with in place off is slower where the placement copies
+    weigh (Llama, Qwen3); for Wan2.2 (compute-bound, ceiling 1.012x) the two are within
+    0.1%: with the copy engine's local copy measured (2026-12-07), placement copies barely
+    slow compute, and in place's NVLink fan-out takes a few ms of SM time more."""
     rows = report.what_if_rows(inputs.RESULTS, cluster.Cluster(), gpus=16)
     base = {(r["model"], r["variant"]): r for r in _baseline()}
     for model in ("llama70b", "qwen3_30b_a3b", "wan22_a14b"):
@@ -445,7 +449,11 @@ def test_what_ifs_are_named_and_apart_from_the_headline():
         free = got[report.NO_PACK]
         assert free["sim_step_ms"] <= got[report.AS_RUN]["sim_step_ms"] + 1e-6
         # in place is what runs: the placement path is slower, and not a what-if
-        assert got[report.IN_PLACE_OFF]["sim_step_ms"] > got[report.AS_RUN]["sim_step_ms"]
+        off, as_run = got[report.IN_PLACE_OFF]["sim_step_ms"], got[report.AS_RUN]["sim_step_ms"]
+        if model == "wan22_a14b":
+            assert off == pytest.approx(as_run, rel=1e-3)
+        else:
+            assert off > as_run * 1.002, (model, off, as_run)
 
 
 def test_every_table_with_a_speed_up_has_its_ceiling():

@@ -33,8 +33,8 @@ found wins:
    large); its own g from the profiled 2-GPU step (its device time in the step over
    alone: not stretched). The real path (an NVLink copy) beats the one-GPU stand-in, as
    for NCCL's kernels.
-3. The one-GPU result (``bench_interference.py --one-gpu``, newest
-   ``*_interference_one_gpu.json``): every class beside a device-to-device copy (copy
+3. The one-GPU result (``bench_interference.py --one-gpu``, the newest
+   ``*_interference_one_gpu.json`` measured on an H200, :data:`SIMULATED_GPU`): every class beside a device-to-device copy (copy
    engine), a copy kernel on NCCL's CTA counts (24, 9), FSDP2's foreach cast and TIDE's
    accumulate kernel; compute timed at the same burst positions alone and beside. The
    cast and the accumulate are the real kernels: their figures beat the derived ones
@@ -48,9 +48,10 @@ found wins:
    SM kernel is the cast).
 5. NIC: modeled: no SM, and the NIC reads HBM at its line rate (50 GB/s at 400 Gb/s,
    about 1% of the measured 3947 GiB/s device copy): 0 both ways.
-5b. ``ce_local``: the one-GPU result's ``local_batch_ce`` side (one wave of placement
-   copies in one ``cudaMemcpyBatchAsync`` asked for the copy engine), both directions, once
-   measured. Until then the most pessimistic figure the project has, named so
+5b. ``ce_local``: the ``local_batch_ce`` side of the newest one-GPU result that measured it
+   (one wave of placement copies in one ``cudaMemcpyBatchAsync`` asked for the copy
+   engine), both directions; an H200's first, else another GPU's, the kind naming it (the
+   first measurement, 2026-12-07, is an H100's). Without one the most pessimistic figure the project has, named so
    (:data:`PESSIMISTIC`): the one-GPU ``copy_engine`` side (a same-device ``copy_``, the
    driver's choice of engine) with its OWN stretch (+1116% beside large GEMMs), not the
    NVLink copies' profiled +1.8%.
@@ -66,7 +67,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from torchtitan_tide.simulator.results import newest_of_kind, read_result
+from torchtitan_tide.simulator.results import newest, read_result
 
 NCCL, NCCL_SYMK, CE, NIC, SM_AG, SM_RS = "nccl", "nccl_symk", "ce", "nic", "sm_ag", "sm_rs"
 CE_LOCAL = "ce_local"
@@ -80,6 +81,7 @@ PESSIMISTIC = "most pessimistic figure (not a copy-engine measurement)"
 INTERFERENCE_FILE = "2026-11-30_nvidia-h200-x-2_8a9ccda_interference.json"
 COLLECTIVES_FILE = "2026-11-30_nvidia-h200-x-2_8a9ccda_collectives.json"
 ONE_GPU_KIND = "interference_one_gpu"
+SIMULATED_GPU = "H200"  # the GPU of the 2x H200 inputs and of the simulated cluster
 # bench_interference --one-gpu: the side op standing for each engine
 ONE_GPU_SIDE = {
     CE: "copy_engine", NCCL: "nccl_like_24", NCCL_SYMK: "nccl_like_9",
@@ -219,28 +221,61 @@ def _fg(fig: Figure) -> tuple[float, float]:
     return fig.compute, fig.comm
 
 
+def gpu_of(path: Path) -> str:
+    """The GPU a result was measured on, from its metadata's machine ("NVIDIA H100 80GB
+    HBM3 x 1" -> "H100")."""
+    machine = json.loads(path.read_text()).get("metadata", {}).get("machine") or ""
+    words = machine.replace("NVIDIA ", "").split()
+    return words[0] if words else "unknown GPU"
+
+
 def one_gpu_file(results_dir: Path) -> Path | None:
-    """The newest committed one-GPU interference result (``--one-gpu``), if any."""
-    return newest_of_kind(results_dir, ONE_GPU_KIND)
+    """The newest committed one-GPU interference result (``--one-gpu``) measured on
+    :data:`SIMULATED_GPU` (the GPU of every other input), else the newest of any GPU."""
+    found = sorted(Path(results_dir).glob(f"*_{ONE_GPU_KIND}.json"))
+    return newest([p for p in found if gpu_of(p) == SIMULATED_GPU]) or newest(found)
+
+
+def _local_batch_rows(path: Path) -> list[dict[str, Any]]:
+    rows = json.loads(path.read_text())["tables"][0]["rows"]
+    return [r for r in rows if r.get("side") == ONE_GPU_SIDE[CE_LOCAL] and not r.get("error")
+            and r.get("side_gib_s_alone")]  # fmt: skip
+
+
+def local_copy_file(results_dir: Path) -> Path | None:
+    """The newest one-GPU result that measured ``local_batch_ce`` (the copy engine's local
+    copy), :data:`SIMULATED_GPU`'s first, else another GPU's (its figures then say which
+    GPU: a Hopper copy engine on both, HBM differs)."""
+    found = [p for p in sorted(Path(results_dir).glob(f"*_{ONE_GPU_KIND}.json"))
+             if _local_batch_rows(p)]  # fmt: skip
+    return newest([p for p in found if gpu_of(p) == SIMULATED_GPU]) or newest(found)
+
+
+def _measured_on(path: Path) -> str:
+    gpu = gpu_of(path)
+    return MEASURED_1GPU if gpu == SIMULATED_GPU else f"measured (one {gpu})"
 
 
 def one_gpu_figures(results_dir: Path) -> dict[tuple[str, str], Figure]:
-    """(engine, class) -> the one-GPU measurement (empty when none is committed)."""
-    path = one_gpu_file(results_dir)
-    if path is None:
-        return {}
-    data = json.loads(path.read_text())
+    """(engine, class) -> the one-GPU measurement (empty when none is committed): every
+    engine from :func:`one_gpu_file`, the local copy (``ce_local``) from
+    :func:`local_copy_file`."""
     out = {}
-    for row in data["tables"][0]["rows"]:
-        engine = next((e for e, side in ONE_GPU_SIDE.items() if side == row.get("side")), None)
-        if engine is None or row.get("error") or row.get("slowdown_pct") is None:
+    for path, engines in ((one_gpu_file(results_dir), set(ONE_GPU_SIDE) - {CE_LOCAL}),
+                          (local_copy_file(results_dir), {CE_LOCAL})):  # fmt: skip
+        if path is None:
             continue
-        f, note = _frac(row["slowdown_pct"])
-        g, gnote = _frac(row.get("side_slowdown_pct"))
-        out[(engine, row["compute"])] = Figure(f, g, MEASURED_1GPU, (
-            f"{path.name}: {row['compute']} beside {row['side']} {100 * f:+.1f}%{note} "
-            f"(same burst positions alone), {row['side']} device time {100 * g:+.1f}%{gnote}"
-        ))  # fmt: skip
+        for row in json.loads(path.read_text())["tables"][0]["rows"]:
+            engine = next((e for e in engines if ONE_GPU_SIDE[e] == row.get("side")), None)
+            if engine is None or row.get("error") or row.get("slowdown_pct") is None:
+                continue
+            f, note = _frac(row["slowdown_pct"])
+            g, gnote = _frac(row.get("side_slowdown_pct"))
+            out[(engine, row["compute"])] = Figure(f, g, _measured_on(path), (
+                f"{path.name}: {row['compute']} beside {row['side']} {100 * f:+.1f}%{note} "
+                f"(same burst positions alone), {row['side']} device time "
+                f"{100 * g:+.1f}%{gnote}"
+            ))  # fmt: skip
     return out
 
 
@@ -362,23 +397,23 @@ def ce_in_step(results_dir: Path, step_files: Mapping[str, str], groups: Sequenc
 
 
 def local_copy_rate(results_dir: Path, fallback: tuple[float, str]) -> tuple[float, str, str]:
-    """(GiB/s copied, kind, source) of a local HBM-to-HBM copy on the copy engine: the
-    newest one-GPU result's ``local_batch_ce`` rate alone (median over its rows), else the
-    most pessimistic rate the project has: the lower of ``fallback`` (a device copy's rate,
-    ``inputs.copy_rate``) and the one-GPU ``copy_engine`` side's rate alone."""
+    """(GiB/s copied, kind, source) of a local HBM-to-HBM copy on the copy engine:
+    :func:`local_copy_file`'s ``local_batch_ce`` rate alone (median over its rows; the kind
+    names the GPU), else the most pessimistic rate the project has: the lower of
+    ``fallback`` (a device copy's rate, ``inputs.copy_rate``) and the one-GPU
+    ``copy_engine`` side's rate alone."""
+    local = local_copy_file(results_dir)
+    if local is not None:
+        measured = sorted(r["side_gib_s_alone"] for r in _local_batch_rows(local))
+        rate = measured[len(measured) // 2]
+        return rate, _measured_on(local), f"{local.name}: local_batch_ce alone, {rate:.0f} GiB/s"
     path = one_gpu_file(results_dir)
-    rows = json.loads(path.read_text())["tables"][0]["rows"] if path else []
-    measured = [r["side_gib_s_alone"] for r in rows
-                if r.get("side") == ONE_GPU_SIDE[CE_LOCAL] and r.get("side_gib_s_alone")]  # fmt: skip
-    if measured:
-        rate = sorted(measured)[len(measured) // 2]
-        return rate, MEASURED_1GPU, f"{path.name}: local_batch_ce alone, {rate:.0f} GiB/s"
     found = [fallback]
     if path is not None:
         data = json.loads(path.read_text())
         unit = (data["config"].get("side_bytes") or {}).get("copy_engine", 256 * 2**20)
         units = data["config"]["units"].get("copy_engine", 0)
-        alone = sorted(r["side_alone_ms"] for r in rows
+        alone = sorted(r["side_alone_ms"] for r in data["tables"][0]["rows"]
                        if r.get("side") == "copy_engine" and r.get("side_alone_ms"))  # fmt: skip
         if alone and units:
             ms = alone[len(alone) // 2]

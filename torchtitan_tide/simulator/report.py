@@ -85,10 +85,11 @@ ASSUMPTIONS = (
         "in-place arena's credits not modeled (every all-gather finds its range free)"
     ),
     (
-        "local copies (placement, pack; in place at 8 x 8: TIDE-RS's pack only): the most "
-        "pessimistic figure the project has until "
-        "bench_interference --one-gpu measures a copy forced onto the copy engine "
-        "(local_batch_ce): the interference table says which"
+        "local copies (placement, pack; in place at 8 x 8: TIDE-RS's pack only): a wave of "
+        "per-parameter copies forced onto the copy engine (bench_interference --one-gpu, "
+        "local_batch_ce), its rate alone and both interference figures, measured on one "
+        "H100 where no H200 measured it (the other inputs are H200's); without it the most "
+        "pessimistic figure the project has: the interference table says which"
     ),
     "H200 SXM GPUs at the power-capped clocks of the measured machines",
 )
@@ -437,8 +438,8 @@ def what_if_rows(results_dir: Path, cluster: Cluster, gpus: int = 64) -> list[di
     earlier "no local copies" what-if is what it runs) with one input changed, each named.
     The local copies left are TIDE-RS phase 1's packs (``PackSlices``): ``as NVLink
     copies``: stretched and slowing compute as the copy engine's NVLink copies (+1.8%,
-    +9%), not the most pessimistic figure (what the one-GPU measurement of a copy forced
-    onto the copy engine may show); ``no ... pack copies``: free. For reference (a row the
+    +9%), not as the copy engine's local copy measured on one GPU (``local_batch_ce``);
+    ``no ... pack copies``: free. For reference (a row the
     code runs, not a what-if): in place off, the placement path, to show what in place
     took off without counting it twice."""
     from torchtitan_tide.fsdp_groups import load_config_model
