@@ -34,11 +34,11 @@ found wins:
    alone: not stretched). The real path (an NVLink copy) beats the one-GPU stand-in, as
    for NCCL's kernels.
 3. The one-GPU result (``bench_interference.py --one-gpu``, the newest
-   ``*_interference_one_gpu.json`` measured on an H200, :data:`SIMULATED_GPU`): every class beside a device-to-device copy (copy
-   engine), a copy kernel on NCCL's CTA counts (24, 9), FSDP2's foreach cast and TIDE's
-   accumulate kernel; compute timed at the same burst positions alone and beside. The
-   cast and the accumulate are the real kernels: their figures beat the derived ones
-   (4). The local copy stands in for the copy engine only in the classes 2 lacks
+   ``*_interference_one_gpu.json`` measured on an H200, :data:`SIMULATED_GPU`): every class
+   beside a device-to-device copy (copy engine), a copy kernel on NCCL's CTA counts (24, 9),
+   FSDP2's foreach cast and TIDE's accumulate kernel; compute timed at the same burst
+   positions alone and beside. The cast and the accumulate are the real kernels: their
+   figures beat the derived ones (4). The local copy stands in for the copy engine only in the classes 2 lacks
    (grouped expert GEMM, attention), for its compute figure; the copies' own stretch
    stays the profiled step's (:func:`_ce_stand_in`).
 4. The SM kernels of a path (the cast and copy-in, TIDE-RS's accumulate), derived from
@@ -51,10 +51,10 @@ found wins:
 5b. ``ce_local``: the ``local_batch_ce`` side of the newest one-GPU result that measured it
    (one wave of placement copies in one ``cudaMemcpyBatchAsync`` asked for the copy
    engine), both directions; an H200's first, else another GPU's, the kind naming it (the
-   first measurement, 2026-12-07, is an H100's). Without one the most pessimistic figure the project has, named so
-   (:data:`PESSIMISTIC`): the one-GPU ``copy_engine`` side (a same-device ``copy_``, the
-   driver's choice of engine) with its OWN stretch (+1116% beside large GEMMs), not the
-   NVLink copies' profiled +1.8%.
+   first measurement, 2026-12-07, is an H100's). Without one the most pessimistic figure
+   the project has, named so (:data:`PESSIMISTIC`): the one-GPU ``copy_engine`` side (a
+   same-device ``copy_``, the driver's choice of engine) with its OWN stretch (+1116%
+   beside large GEMMs), not the NVLink copies' profiled +1.8%.
 6. A class no result measured takes the ``large`` GEMM's figure (said in its source).
 """
 

@@ -34,7 +34,3 @@ def newest(found: Sequence[Path]) -> Path | None:
     ]
     return max(dated)[2] if dated else None
 
-
-def newest_of_kind(results_dir: Path, suffix: str) -> Path | None:
-    """The newest ``*_<suffix>.json`` under ``results_dir``."""
-    return newest(sorted(Path(results_dir).glob(f"*_{suffix}.json")))
