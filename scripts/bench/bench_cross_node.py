@@ -35,7 +35,9 @@ lane named by TIDE's stream name, found by a marker copy per stream in a profile
 own), with rank 0's copy time on the fan-out stream and how much of it ran while a
 cross-node put did (``fan_beside_put_ms``).
 The ranks share one GPU and "the network" is a copy or a loopback socket: step times from
-here are no cluster figure and are not reported; kernel counts, SM-ms and bytes are.
+here are no cluster figure and are not reported; kernel counts, SM-ms and bytes are. From 16
+ranks (2x8) NCCL gets 1 MiB buffers and 4 channels unless set (``SHARED_GPU_NCCL``, recorded
+in the result's ``args.nccl_env``): its default buffers for every process do not fit one GPU.
 """
 
 from __future__ import annotations
@@ -62,6 +64,19 @@ EMULATION_ENV = {
     "nodes": (("NCCL_HOSTID", "emunode{rank}"), ("NCCL_SOCKET_IFNAME", "lo"),
               ("NCCL_IB_DISABLE", "1")),
 }  # fmt: skip
+# From this many ranks on the one GPU NCCL's default buffers of every process's communicators
+# no longer fit 80 GB (2x8 in place: "ncclSignal ... Cuda failure 'out of memory'" at the
+# first reshard, 2026-12-07): smaller buffers and fewer channels, unless the caller set them.
+SHARED_GPU_RANKS = 16
+SHARED_GPU_NCCL = (("NCCL_BUFFSIZE", "1048576"), ("NCCL_MAX_NCHANNELS", "4"))
+
+
+def _shared_gpu_env(ranks: int) -> tuple[tuple[str, str], ...]:
+    """The NCCL settings added for ``ranks`` processes on one GPU (none below
+    :data:`SHARED_GPU_RANKS`; a variable already set in the environment is left alone)."""
+    if ranks < SHARED_GPU_RANKS:
+        return ()
+    return tuple((key, value) for key, value in SHARED_GPU_NCCL if key not in os.environ)
 
 
 class _Block(nn.Module):
@@ -551,6 +566,9 @@ def main() -> int:
     args = parser.parse_args()
     args.nodes, args.local = args.layout
     args.ranks = args.nodes * args.local
+    args.nccl_env = dict(_shared_gpu_env(args.ranks))  # recorded with the result
+    if args.nccl_env:
+        print(f"{args.ranks} ranks on one GPU: NCCL {args.nccl_env}", flush=True)
     if args.local > 1 and args.emulation != "one_node":
         parser.error("--layout with L > 1 needs --emulation one_node (ranks share the GPU)")
     if args.in_place_compare and args.emulation != "one_node":
@@ -576,7 +594,7 @@ def main() -> int:
             result = os.path.join(tmp, variant["name"] + ".json")
             try:
                 harness.spawn(_worker, args.ranks, "cuda:0", (args, variant, result),
-                              EMULATION_ENV[args.emulation],
+                              EMULATION_ENV[args.emulation] + tuple(args.nccl_env.items()),
                               timeout_s=args.variant_timeout)  # fmt: skip
                 rows.append(json.loads(Path(result).read_text()))
             except Exception as e:  # noqa: BLE001 - recorded; the next variant runs

@@ -138,3 +138,16 @@ def test_marker_copies_name_the_streams_and_the_lanes_carry_the_names():
     streams = sorted({str(x["stream"]) for x in lanes})
     assert bench._lane_labels(streams, got) == ["tide_fan (21)", "tide_one_sided (22)",
                                                 "stream 40"]  # fmt: skip
+
+
+def test_sixteen_ranks_on_one_gpu_get_small_nccl_buffers(monkeypatch):
+    """From 16 ranks on the GPU the bench adds 1 MiB buffers and 4 channels (2x8 in place ran
+    out of GPU memory in ncclSignal without); fewer ranks get nothing, and a variable the
+    caller set is left alone."""
+    monkeypatch.delenv("NCCL_BUFFSIZE", raising=False)
+    monkeypatch.delenv("NCCL_MAX_NCHANNELS", raising=False)
+    assert bench._shared_gpu_env(8) == ()
+    assert dict(bench._shared_gpu_env(16)) == {"NCCL_BUFFSIZE": "1048576",
+                                               "NCCL_MAX_NCHANNELS": "4"}  # fmt: skip
+    monkeypatch.setenv("NCCL_BUFFSIZE", "4194304")
+    assert dict(bench._shared_gpu_env(16)) == {"NCCL_MAX_NCHANNELS": "4"}
