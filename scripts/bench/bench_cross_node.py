@@ -332,15 +332,22 @@ def _busy(lanes: list[dict], stream: str) -> list[tuple[float, float]]:
     return merged
 
 
-def _fan_beside_puts(lanes: list[dict], names: dict[str, str]) -> dict[str, float]:
-    """Rank 0's copy time on the fan-out stream (``tide_fan``), on TIDE-AG's cross-node put
-    stream, and the time both ran at once (ms; {} when the lanes are not named)."""
+def _put_and_fan(names: dict[str, str]) -> tuple[str | None, str | None]:
+    """The stream numbers (as text) of TIDE-AG's cross-node puts and of the fan-out
+    (``tide_fan``) among ``names`` (stream number -> TIDE's stream); None where unnamed."""
     from torchtitan_tide.comm.transports.windows.ring import AG_PUT_STREAM
 
     by_name = {name: stream for stream, name in names.items()}
-    if "tide_fan" not in by_name or AG_PUT_STREAM not in by_name:
+    return by_name.get(AG_PUT_STREAM), by_name.get("tide_fan")
+
+
+def _fan_beside_puts(lanes: list[dict], names: dict[str, str]) -> dict[str, float]:
+    """Rank 0's copy time on the fan-out stream (``tide_fan``), on TIDE-AG's cross-node put
+    stream, and the time both ran at once (ms; {} when the lanes are not named)."""
+    put_stream, fan_stream = _put_and_fan(names)
+    if put_stream is None or fan_stream is None:
         return {}
-    fan, put = _busy(lanes, by_name["tide_fan"]), _busy(lanes, by_name[AG_PUT_STREAM])
+    fan, put = _busy(lanes, fan_stream), _busy(lanes, put_stream)
     both = sum(max(0.0, min(f_end, p_end) - max(f_start, p_start))
                for f_start, f_end in fan for p_start, p_end in put)  # fmt: skip
     return {"fan_ms": sum(e - s for s, e in fan), "put_ms": sum(e - s for s, e in put),
@@ -373,11 +380,9 @@ def _timeline_png(path: Path, lanes: list[dict], title: str,
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    from torchtitan_tide.comm.transports.windows.ring import AG_PUT_STREAM
-
     streams = sorted({str(x["stream"]) for x in lanes})
     labels = _lane_labels(streams, names or {})
-    wanted = tuple(s for s, name in (names or {}).items() if name in (AG_PUT_STREAM, "tide_fan"))
+    wanted = tuple(s for s in _put_and_fan(names or {}) if s is not None)
     window = _zoom_window(lanes, zoom_ms, wanted)
     panels = 2 if window else 1
     fig, axes = plt.subplots(panels, 1, figsize=(12, panels * (1 + 0.5 * len(streams))),

@@ -100,33 +100,6 @@ def test_nccl_like_kernel_compiles_for_hopper():
     assert compiled.asm["cubin"]
 
 
-def test_result_files_are_what_the_simulator_reads(tmp_path):
-    from torchtitan_tide.simulator import interference
-
-    rows = [{"compute": "attention", "side": "none", "compute_alone_ms": 2.0, "error": None}]
-    rows += [
-        one.summarize("attention", side, one.Pair([[2.0, 2.0]], [[(1, 2.2)]], [4.0], [4.4],
-                                                  [True]), side_bytes=2**30)
-        for side in one.SIDES
-    ]  # fmt: skip
-    meta = {"date": "2026-12-05T00:00:00Z", "machine": "NVIDIA H200 x 1", "hostname": "h",
-            "torch": "2.11", "nccl": None, "cuda": "13.0", "commit": "abc1234",
-            "world_size": 1}  # fmt: skip
-    results = {"kind": "interference_one_gpu", "metadata": meta, "status": "complete",
-               "config": {"reps": 1, "side_ms": 4.0}}  # fmt: skip
-    stem = str(tmp_path / "2026-12-05_nvidia-h200-x-1_abc1234_interference_one_gpu")
-    assert one.write(results, rows, stem) == 0
-    assert interference.one_gpu_file(tmp_path).name.endswith("_interference_one_gpu.json")
-    figures = interference.one_gpu_figures(tmp_path)
-    fig = figures[("ce", "attention")]
-    assert fig.kind == "measured (one H200)" and fig.compute == pytest.approx(0.10)
-    assert fig.comm == pytest.approx(0.10)
-    assert {e for e, _ in figures} == {"ce", "ce_local", "nccl", "nccl_symk", "sm_ag", "sm_rs"}
-    rate, kind, _ = interference.local_copy_rate(tmp_path, (1e6, "a device copy"))
-    assert (rate, kind) == (pytest.approx(250.0), "measured (one H200)")  # 1 GiB in 4 ms
-    assert json.loads(Path(stem + ".json").read_text())["tables"][0]["rows"][0]["side"] == "none"
-
-
 def _one_gpu_result(tmp_path, machine: str, date: str, commit: str, sides) -> str:
     rows = [{"compute": "attention", "side": "none", "compute_alone_ms": 2.0, "error": None}]
     rows += [
@@ -142,6 +115,22 @@ def _one_gpu_result(tmp_path, machine: str, date: str, commit: str, sides) -> st
     stem = str(tmp_path / f"{date}_nvidia-{gpu}-x-1_{commit}_interference_one_gpu")
     assert one.write(results, rows, stem) == 0
     return Path(stem + ".json").name
+
+
+def test_result_files_are_what_the_simulator_reads(tmp_path):
+    from torchtitan_tide.simulator import interference
+
+    name = _one_gpu_result(tmp_path, "NVIDIA H200 x 1", "2026-12-05", "abc1234", one.SIDES)
+    assert name == "2026-12-05_nvidia-h200-x-1_abc1234_interference_one_gpu.json"
+    assert interference.one_gpu_file(tmp_path).name.endswith("_interference_one_gpu.json")
+    figures = interference.one_gpu_figures(tmp_path)
+    fig = figures[("ce", "attention")]
+    assert fig.kind == "measured (one H200)" and fig.compute == pytest.approx(0.10)
+    assert fig.comm == pytest.approx(0.10)
+    assert {e for e, _ in figures} == {"ce", "ce_local", "nccl", "nccl_symk", "sm_ag", "sm_rs"}
+    rate, kind, _ = interference.local_copy_rate(tmp_path, (1e6, "a device copy"))
+    assert (rate, kind) == (pytest.approx(250.0), "measured (one H200)")  # 1 GiB in 4 ms
+    assert json.loads((tmp_path / name).read_text())["tables"][0]["rows"][0]["side"] == "none"
 
 
 def test_simulator_keeps_the_simulated_gpu_and_takes_the_local_copy_where_measured(tmp_path):

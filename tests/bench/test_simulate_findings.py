@@ -16,7 +16,7 @@ import pytest
 
 from torchtitan_tide.comm.plans import window_rounds as wr
 from torchtitan_tide.comm.plans.memory_plan import group_shard_numel
-from torchtitan_tide.simulator import cluster, inputs, interference, network, report
+from torchtitan_tide.simulator import cluster, inputs, network, report
 from torchtitan_tide.simulator import step as sim
 from torchtitan_tide.simulator.engine import Op, merge, simulate
 

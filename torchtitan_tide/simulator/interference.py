@@ -38,9 +38,9 @@ found wins:
    beside a device-to-device copy (copy engine), a copy kernel on NCCL's CTA counts (24, 9),
    FSDP2's foreach cast and TIDE's accumulate kernel; compute timed at the same burst
    positions alone and beside. The cast and the accumulate are the real kernels: their
-   figures beat the derived ones (4). The local copy stands in for the copy engine only in the classes 2 lacks
-   (grouped expert GEMM, attention), for its compute figure; the copies' own stretch
-   stays the profiled step's (:func:`_ce_stand_in`).
+   figures beat the derived ones (4). The local copy stands in for the copy engine only in
+   the classes 2 lacks (grouped expert GEMM, attention), for its compute figure; the
+   copies' own stretch stays the profiled step's (:func:`_ce_stand_in`).
 4. The SM kernels of a path (the cast and copy-in, TIDE-RS's accumulate), derived from
    the 2x H200 row of that path: the time the path gained beyond its other parts' own
    stretch is theirs, and so is the compute the GEMMs lost beyond the other parts' share
@@ -229,11 +229,16 @@ def gpu_of(path: Path) -> str:
     return words[0] if words else "unknown GPU"
 
 
-def one_gpu_file(results_dir: Path) -> Path | None:
-    """The newest committed one-GPU interference result (``--one-gpu``) measured on
-    :data:`SIMULATED_GPU` (the GPU of every other input), else the newest of any GPU."""
-    found = sorted(Path(results_dir).glob(f"*_{ONE_GPU_KIND}.json"))
+def _newest_simulated_first(found: list[Path]) -> Path | None:
+    """The newest of ``found`` measured on :data:`SIMULATED_GPU` (the GPU of every other
+    input), else the newest of any GPU."""
     return newest([p for p in found if gpu_of(p) == SIMULATED_GPU]) or newest(found)
+
+
+def one_gpu_file(results_dir: Path) -> Path | None:
+    """The newest committed one-GPU interference result (``--one-gpu``), the simulated
+    GPU's first (:func:`_newest_simulated_first`)."""
+    return _newest_simulated_first(sorted(Path(results_dir).glob(f"*_{ONE_GPU_KIND}.json")))
 
 
 def _local_batch_rows(path: Path) -> list[dict[str, Any]]:
@@ -248,7 +253,7 @@ def local_copy_file(results_dir: Path) -> Path | None:
     GPU: a Hopper copy engine on both, HBM differs)."""
     found = [p for p in sorted(Path(results_dir).glob(f"*_{ONE_GPU_KIND}.json"))
              if _local_batch_rows(p)]  # fmt: skip
-    return newest([p for p in found if gpu_of(p) == SIMULATED_GPU]) or newest(found)
+    return _newest_simulated_first(found)
 
 
 def _measured_on(path: Path) -> str:
